@@ -1,0 +1,284 @@
+"""The KV block pool: allocation, sharing, hash-chained prefix cache, LRU eviction.
+
+Block 0 is reserved (padding / write sink): never allocated, never cached. Every other block is
+either free (ref count 0, in the free queue, possibly still cached) or in use (ref count > 0, not
+queued). A cached block keeps its hash while free and loses it only when an allocation takes it
+(lazy eviction) or on ``reset()``. Every operation is O(1) per block touched.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvcache.block import KVBlock
+from kvcache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventSubscriber,
+    KVCacheEvent,
+)
+from kvcache.free_queue import FreeBlockQueue
+from kvcache.hashing import BlockHash, BlockHashChain, decode_token_ids
+from kvcache.stats import PrefixCacheStats
+
+PAD_BLOCK_ID = 0
+
+
+class IntegrityError(AssertionError):
+    """An invariant of the pool does not hold: a bug, never a user error."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free = FreeBlockQueue(self._blocks[1:])
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._subscribers: list[EventSubscriber] = []
+        self.stats = PrefixCacheStats()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free cached blocks included)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """Blocks in use / usable blocks, in 0..1."""
+        return (self.num_usable_blocks - len(self._free)) / self.num_usable_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        return self._blocks[block_id].block_hash
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, front (evicted first) to back. O(n): for tests and diagnostics."""
+        return [block.block_id for block in self._free]
+
+    def num_free_among(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks sit in the free queue (sharing them takes them out)."""
+        return sum(1 for block_id in block_ids if self._blocks[block_id].ref_count == 0)
+
+    # -------------------------------------------------------------- allocation
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` from the front of the free queue, or ``None`` (and change nothing)."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > len(self._free):
+            return None
+        block_ids = []
+        for _ in range(num_blocks):
+            block = self._free.popleft()
+            assert block is not None
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            block_ids.append(block.block_id)
+        return block_ids
+
+    def share(self, block_ids: Iterable[int]) -> None:
+        """Add one holder to each block (a cache hit); a free block leaves the queue, hash kept."""
+        for block_id in block_ids:
+            block = self._user_block(block_id)
+            if block.ref_count == 0:
+                self._free.remove(block)
+            block.ref_count += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one holder from each block of a block table (given in table order).
+
+        Released tail first, so a chain's end is evicted before its root; a block without a hash
+        goes to the front of the queue since nobody can hit it.
+        """
+        for block_id in reversed(block_ids):
+            block = self._user_block(block_id)
+            if block.ref_count <= 0:
+                raise ValueError(f"block {block_id} freed more often than it was taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free.appendleft(block)
+                else:
+                    self._free.append(block)
+
+    # ------------------------------------------------------------ prefix cache
+    def register(
+        self, block_id: int, chain: BlockHashChain, index: int, parent_id: int | None
+    ) -> bool:
+        """Make block ``block_id`` (in use, its KV fully written) findable as full block ``index``
+        of ``chain``, chained onto ``parent_id`` (the previous block of the same block table).
+
+        Returns whether the block is now cached under that hash. It stays unhashed when caching is
+        off, when an equal block is already registered (the first one stays), or when its parent
+        is not cached as the previous link of the chain (nobody could reach it).
+        """
+        if not self.enable_caching:
+            return False
+        block = self._user_block(block_id)
+        if block.ref_count <= 0:
+            raise ValueError(f"block {block_id} is not in use and cannot be registered")
+        block_hash = chain.hashes[index]
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self._cached:
+            return False
+        parent_hash = chain.parent_of(index)
+        if index > 0:
+            if parent_id is None:
+                raise ValueError(f"block index {index} > 0 needs its parent block id")
+            parent = self._blocks[parent_id]
+            if parent.block_hash != parent_hash:
+                return False
+            block.parent = parent.identity
+        block.block_hash = block_hash
+        block.token_bytes = chain.token_bytes[index]
+        block.extra = chain.extra
+        block.parent_hash = parent_hash
+        self._cached[block_hash] = block
+        if self._subscribers:
+            self._emit(
+                BlockStored(
+                    block_hash=block_hash,
+                    parent_block_hash=parent_hash,
+                    token_ids=decode_token_ids(block.token_bytes),
+                    block_size=self.block_size,
+                    extra_keys=chain.extra,
+                )
+            )
+        return True
+
+    def lookup(self, chain: BlockHashChain, max_blocks: int | None = None) -> list[int]:
+        """Longest cached prefix of ``chain``: the block ids of its leading full blocks that hit.
+
+        A hit is exact: same hash, same stored token ids and extra keys, and its recorded parent is
+        the very block (id and generation) that hit just before it. Changes nothing.
+        """
+        if not self.enable_caching:
+            return []
+        limit = chain.num_blocks if max_blocks is None else min(max_blocks, chain.num_blocks)
+        cached = self._cached
+        extra = chain.extra.encoded
+        hits: list[int] = []
+        parent = None
+        for index in range(limit):
+            block = cached.get(chain.hashes[index])
+            if (
+                block is None
+                or block.parent != parent
+                or block.token_bytes != chain.token_bytes[index]
+                or block.extra is None
+                or block.extra.encoded != extra
+            ):
+                break
+            hits.append(block.block_id)
+            parent = block.identity
+        return hits
+
+    def record_admission(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (never called for lookups that did not admit)."""
+        if not 0 <= num_hit_tokens <= num_prompt_tokens:
+            raise ValueError(
+                f"hits {num_hit_tokens} not within 0..{num_prompt_tokens} prompt tokens"
+            )
+        self.stats.num_requests += 1
+        self.stats.num_query_tokens += num_prompt_tokens
+        self.stats.num_hit_tokens += num_hit_tokens
+
+    def reset(self) -> int:
+        """Make every cached block unfindable at once; returns how many were dropped.
+
+        Blocks in use stay valid for their holders and return to the queue unhashed when freed.
+        """
+        dropped = len(self._cached)
+        for block in self._cached.values():
+            block.drop_hash()
+        self._cached.clear()
+        if self._subscribers:
+            self._emit(AllBlocksCleared())
+        return dropped
+
+    # ------------------------------------------------------------------ events
+    def subscribe(self, subscriber: EventSubscriber) -> None:
+        self._subscribers.append(subscriber)
+
+    def _emit(self, event: KVCacheEvent) -> None:
+        for subscriber in self._subscribers:
+            subscriber(event)
+
+    def _evict(self, block: KVBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self._cached[block_hash]
+        block.drop_hash()
+        if self._subscribers:
+            self._emit(BlockRemoved(block_hash))
+
+    def _user_block(self, block_id: int) -> KVBlock:
+        if not 0 < block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} is not a user block (1..{self.num_blocks - 1})")
+        return self._blocks[block_id]
+
+    # --------------------------------------------------------------- integrity
+    def check_integrity(self, holders: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Verify every invariant; raise IntegrityError naming the first one broken.
+
+        ``holders`` (owner -> block table), when given, must account for every reference exactly.
+        """
+        pad = self._blocks[PAD_BLOCK_ID]
+        if pad.ref_count or pad.block_hash is not None or FreeBlockQueue.contains(pad):
+            raise IntegrityError(
+                f"block 0 touched: ref_count={pad.ref_count}, hash={pad.block_hash!r}, "
+                f"queued={FreeBlockQueue.contains(pad)}"
+            )
+        broken = self._free.broken_link()
+        if broken is not None:
+            raise IntegrityError(broken)
+        queued: set[int] = set()
+        for block in self._free:
+            if block.block_id in queued:
+                raise IntegrityError(f"block {block.block_id} appears twice in the free queue")
+            queued.add(block.block_id)
+        for block in self._blocks[1:]:
+            if block.ref_count < 0:
+                raise IntegrityError(f"block {block.block_id} has ref_count {block.ref_count}")
+            in_queue = block.block_id in queued
+            if in_queue != (block.ref_count == 0):
+                raise IntegrityError(
+                    f"block {block.block_id}: ref_count={block.ref_count} but in free queue={in_queue}"
+                )
+            if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
+                raise IntegrityError(
+                    f"block {block.block_id} has a hash that the hash map does not map to it"
+                )
+        for block_hash, block in self._cached.items():
+            if block.block_hash != block_hash or block.block_id == PAD_BLOCK_ID:
+                raise IntegrityError(f"hash map entry for block {block.block_id} is stale")
+            if block.token_bytes is None or len(block.token_bytes) != 4 * self.block_size:
+                raise IntegrityError(f"cached block {block.block_id} does not hold a full block")
+        if holders is not None:
+            counts = Counter(block_id for table in holders.values() for block_id in table)
+            for block in self._blocks:
+                if counts.get(block.block_id, 0) != block.ref_count:
+                    owners = sorted(o for o, t in holders.items() if block.block_id in t)
+                    raise IntegrityError(
+                        f"block {block.block_id}: ref_count={block.ref_count} but held "
+                        f"{counts.get(block.block_id, 0)} times (by {owners})"
+                    )

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcache import BlockHashChain
+from scheduler.grid import ChunkGrid, cdiv
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    PREFILLING = 1
+    DECODING = 2
+    # Every status from here on is final.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finished(reason: FinishReason) -> RequestStatus:
+        return _FINISHED_STATUS[reason]
+
+
+_FINISHED_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request's scheduling state. Only the scheduler writes it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    chain: BlockHashChain
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_id: int | None = None
+    needs_prompt_logits: bool = False
+    """Logits at prompt positions are wanted (echo + logprobs): no prefix lookup."""
+
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Leading tokens whose KV is in the blocks of ``block_table``."""
+    block_table: list[int] = field(default_factory=list)
+    num_hit_blocks: int = 0
+    """Leading blocks of ``block_table`` shared from the cache at admission (KV already there)."""
+    num_prefill_tokens: int = 0
+    """Tokens the current prefill covers: the prompt, plus earlier outputs after a preemption."""
+    num_registered_blocks: int = 0
+    """Leading blocks already offered to the cache (registered, or found to be duplicates)."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens whose compute was skipped, fixed at the first admission."""
+    num_preemptions: int = 0
+
+    all_token_ids: list[int] = field(init=False)
+    """Prompt followed by outputs (kept, not rebuilt, so decode steps stay O(1))."""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.chain.update(self.all_token_ids)
+
+    @property
+    def num_blocks_needed(self) -> int:
+        """Blocks reserved at admission: room for the prompt plus max_tokens."""
+        return cdiv(len(self.prompt_token_ids) + self.max_tokens, self.chain.block_size)
+
+    def grid(self, chunk_size: int) -> ChunkGrid:
+        return ChunkGrid(self.num_prefill_tokens, self.chain.block_size, chunk_size)
+
+    def max_decode_tkv(self, chunk_size: int) -> int:
+        """Upper bound on this request's tkv at any decode step: padded prefill + tokens left."""
+        remaining = self.max_tokens - len(self.output_token_ids)
+        return self.grid(chunk_size).num_padded_tokens + remaining
+
+    def append_output(self, token_ids: Sequence[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self.chain.update(self.all_token_ids)

@@ -1,0 +1,374 @@
+"""The Spyre chunked-prefill scheduler (DESIGN §3, §4).
+
+It is the only writer of ``num_computed_tokens`` and block tables. Each step is either one prefill
+chunk of one request or one decode token for every decoding request. A request is admitted (FCFS)
+when it starts its prefill: its longest exact cache hit is shared, the chunks the hit fully covers
+are skipped, and blocks for prompt + max_tokens are reserved so that a running request never runs
+out. Preemption by recompute is the last resort when an allocation fails anyway.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvcache import BlockHashChain, BlockPool, ExtraKeys, root_hash
+from scheduler.config import SchedulerConfig
+from scheduler.grid import cdiv
+from scheduler.outputs import (
+    DecodeBatch,
+    DecodeEntry,
+    ModelRunnerOutput,
+    PrefillChunk,
+    RequestOutput,
+    ScheduledStep,
+    SchedulerStats,
+)
+from scheduler.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        hash_seed: int | str | bytes | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = BlockPool(
+            config.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self._root_hash = root_hash(hash_seed)
+        self._model_name = model_name
+        self._requests: dict[str, Request] = {}
+        """Every unfinished request."""
+        self._waiting: deque[Request] = deque()
+        self._prefilling: Request | None = None
+        self._decoding: list[Request] = []
+        """In admission order."""
+        self._last_step_was_prefill = False
+        self._num_chunks_computed = 0
+        self._num_chunks_skipped = 0
+        self._num_decode_steps = 0
+        self._num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+        needs_prompt_logits: bool = False,
+    ) -> None:
+        """Queue a request. Raises ValueError if it is malformed or could never run with this
+        configuration (too long, more blocks than the pool has, over the volumetric limit)."""
+        cfg = self.config
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if min(prompt_token_ids) < 0:
+            raise ValueError("token ids must be non-negative")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        num_tokens = len(prompt_token_ids) + max_tokens
+        if num_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_tokens} exceeds max_model_len ({cfg.max_model_len})"
+            )
+        extra = ExtraKeys(cache_salt=cache_salt, model_name=self._model_name)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            max_tokens=max_tokens,
+            chain=BlockHashChain(cfg.block_size, self._root_hash, extra),
+            stop_token_ids=frozenset(stop_token_ids),
+            eos_token_id=eos_token_id,
+            needs_prompt_logits=needs_prompt_logits,
+        )
+        if request.num_blocks_needed > self.pool.num_usable_blocks:
+            raise ValueError(
+                f"the request needs {request.num_blocks_needed} KV blocks for prompt + max_tokens "
+                f"but the cache has {self.pool.num_usable_blocks}"
+            )
+        request.num_prefill_tokens = len(request.prompt_token_ids)
+        tkv = self._max_decode_tkv(request)
+        if tkv > cfg.batch_tkv_limit:
+            raise ValueError(
+                f"the request's decode context ({tkv} tokens, padded prompt + max_tokens) exceeds "
+                f"max_batch_tkv_limit ({cfg.batch_tkv_limit}) even alone"
+            )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
+        """End an unfinished request now (abort, stop string, runner error) and free its blocks.
+        Returns its final output, or ``None`` if no such request is unfinished."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self._waiting.remove(request)
+        self._finish(request, reason)
+        return RequestOutput(request_id, (), reason, request.num_cached_tokens or 0)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledStep | None:
+        """Plan the next step; ``None`` when there is nothing to run."""
+        step: ScheduledStep | None = None
+        if self._decoding and self.config.interleave and self._last_step_was_prefill:
+            step = self._schedule_decode()
+        if step is None:
+            prefilling = self._prefilling or self._admit_next()
+            if prefilling is not None:
+                step = self._schedule_prefill(prefilling)
+        if step is None and self._decoding:
+            step = self._schedule_decode()
+        if step is not None:
+            self._last_step_was_prefill = isinstance(step, PrefillChunk)
+        return step
+
+    def _admit_next(self) -> Request | None:
+        if not self._waiting or len(self._decoding) >= self.config.max_num_seqs:
+            return None
+        request = self._waiting[0]
+        if not self._try_admit(request):
+            return None
+        self._waiting.popleft()
+        self._prefilling = request
+        return request
+
+    def _try_admit(self, request: Request) -> bool:
+        """Admit ``request`` if the volumetric limit and the block reservation allow it."""
+        cfg = self.config
+        bs = cfg.block_size
+        request.num_prefill_tokens = len(request.all_token_ids)  # outputs too after a preemption
+        running = self._decoding
+        max_tkv = max([self._max_decode_tkv(r) for r in running] + [self._max_decode_tkv(request)])
+        if (len(running) + 1) * max_tkv > cfg.batch_tkv_limit:
+            return False
+
+        hits: list[int] = []
+        if not request.needs_prompt_logits:
+            hits = self.pool.lookup(request.chain, request.num_prefill_tokens // bs)
+        reserved = sum(r.num_blocks_needed - len(r.block_table) for r in running)
+        blocks_to_take = request.num_blocks_needed - len(hits) + self.pool.num_free_among(hits)
+        if self.pool.num_free_blocks - reserved < blocks_to_take:
+            return False
+
+        grid = request.grid(cfg.chunk_size)
+        usable = grid.usable_hit_blocks(len(hits))
+        self.pool.share(hits)
+        new_blocks = self.pool.allocate(cdiv(request.num_prefill_tokens, bs) - len(hits))
+        assert new_blocks is not None, "the reservation check guarantees the prompt's blocks"
+        request.block_table = hits + new_blocks
+        request.num_hit_blocks = len(hits)
+        request.num_registered_blocks = len(hits)
+        request.num_computed_tokens = usable * bs
+        request.status = RequestStatus.PREFILLING
+        self._num_chunks_skipped += (usable * bs + grid.num_left_pad_tokens) // cfg.chunk_size
+        if request.num_cached_tokens is None:  # first admission only (not after a preemption)
+            request.num_cached_tokens = usable * bs
+            self.pool.record_admission(len(request.prompt_token_ids), usable * bs)
+        return True
+
+    def _max_decode_tkv(self, request: Request) -> int:
+        """Upper bound of the request's tkv at every decode step: its padded prefill plus the
+        tokens it may still generate (decode attends over the cached prefix too)."""
+        grid = request.grid(self.config.chunk_size)
+        num_tokens_left = len(request.prompt_token_ids) + request.max_tokens
+        return grid.num_padded_tokens + num_tokens_left - request.num_prefill_tokens
+
+    def _schedule_prefill(self, request: Request) -> PrefillChunk:
+        cfg = self.config
+        bs = cfg.block_size
+        grid = request.grid(cfg.chunk_size)
+        chunk_index = grid.chunk_of(request.num_computed_tokens)
+        start, end = grid.chunk_span(chunk_index)
+        assert start == request.num_computed_tokens, "prefill resumes on a chunk boundary"
+        table = request.block_table
+        num_shared_tokens = request.num_hit_blocks * bs  # cached already: written to block 0
+        slots = tuple(
+            t % bs if t < num_shared_tokens else table[t // bs] * bs + t % bs
+            for t in range(start, end)
+        )
+        window_start = chunk_index * cfg.chunk_size - grid.num_left_pad_tokens
+        self._num_chunks_computed += 1
+        return PrefillChunk(
+            request_id=request.request_id,
+            chunk_index=chunk_index,
+            num_chunks=grid.num_chunks,
+            num_left_pad_tokens=grid.num_left_pad_tokens,
+            window_offset=start - window_start,
+            token_ids=tuple(request.all_token_ids[start:end]),
+            positions=tuple(range(start, end)),
+            slot_mapping=slots,
+            block_table=tuple(table),
+            is_last_chunk=end == grid.num_tokens,
+            tkv=(chunk_index + 1) * cfg.chunk_size,
+        )
+
+    def _schedule_decode(self) -> DecodeBatch | None:
+        bs = self.config.block_size
+        entries = []
+        for request in list(self._decoding):
+            if request.status is not RequestStatus.DECODING:
+                continue  # preempted while making room for an earlier entry
+            position = len(request.all_token_ids) - 1
+            if position // bs == len(request.block_table) and not self._grow(request):
+                continue
+            block_id = request.block_table[position // bs]
+            entries.append(
+                DecodeEntry(
+                    request_id=request.request_id,
+                    token_id=request.all_token_ids[-1],
+                    position=position,
+                    slot=block_id * bs + position % bs,
+                    block_table=tuple(request.block_table),
+                )
+            )
+        if not entries:
+            return None
+        self._num_decode_steps += 1
+        # Victims of a preemption are always newer than the entries already made.
+        return DecodeBatch(tuple(entries), tkv=max(e.position for e in entries) + 1)
+
+    def _grow(self, request: Request) -> bool:
+        """Give a decoding request its next block. Preempts the newest other running request
+        when the pool is empty (the reservation makes this a last resort); returns False if the
+        request itself had to be preempted."""
+        while True:
+            new_block = self.pool.allocate(1)
+            if new_block is not None:
+                request.block_table += new_block
+                return True
+            victim = self._prefilling or self._decoding[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+
+    def _preempt(self, request: Request) -> None:
+        if request is self._prefilling:
+            self._prefilling = None
+        else:
+            self._decoding.remove(request)
+        self._release_blocks(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, step: ScheduledStep, output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply an executed step: advance num_computed_tokens, cache the blocks whose KV is now
+        complete, append sampled tokens, apply stop conditions, free finished requests."""
+        if isinstance(step, PrefillChunk):
+            request = self._requests.get(step.request_id)
+            if request is None or request is not self._prefilling:
+                return []  # finished (aborted) while the step ran
+            request.num_computed_tokens = step.positions[-1] + 1
+            self._register_computed_blocks(request)
+            if not step.is_last_chunk:
+                return []
+            self._prefilling = None
+            request.status = RequestStatus.DECODING
+            self._decoding.append(request)
+            return [self._append_token(request, output.sampled_token_ids[request.request_id])]
+
+        outputs = []
+        for entry in step.entries:
+            request = self._requests.get(entry.request_id)
+            if request is None or request.status is not RequestStatus.DECODING:
+                continue
+            request.num_computed_tokens = entry.position + 1
+            self._register_computed_blocks(request)
+            outputs.append(self._append_token(request, output.sampled_token_ids[entry.request_id]))
+        return outputs
+
+    def _register_computed_blocks(self, request: Request) -> None:
+        """Offer every block whose 64 positions are all computed to the cache, once."""
+        if not self.pool.enable_caching:
+            return
+        bs = self.config.block_size
+        limit = request.num_computed_tokens // bs
+        if not self.config.cache_decode_blocks:
+            limit = min(limit, request.num_prefill_tokens // bs)
+        table = request.block_table
+        for index in range(request.num_registered_blocks, limit):
+            self.pool.register(
+                table[index], request.chain, index, table[index - 1] if index else None
+            )
+        request.num_registered_blocks = max(request.num_registered_blocks, limit)
+
+    def _append_token(self, request: Request, token_id: int) -> RequestOutput:
+        request.append_output((token_id,))
+        reason = None
+        if token_id in request.stop_token_ids or token_id == request.eos_token_id:
+            reason = FinishReason.STOP
+        elif len(request.output_token_ids) >= request.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(request, reason)
+        return RequestOutput(
+            request.request_id, (token_id,), reason, request.num_cached_tokens or 0
+        )
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request is self._prefilling:
+            self._prefilling = None
+        elif request.status is RequestStatus.DECODING:
+            self._decoding.remove(request)
+        self._release_blocks(request)
+        request.status = RequestStatus.finished(reason)
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+
+    def _release_blocks(self, request: Request) -> None:
+        self.pool.free(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+        request.num_hit_blocks = 0
+        request.num_registered_blocks = 0
+
+    # ------------------------------------------------------------- inspection
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block from lookups (always succeeds); returns how many."""
+        return self.pool.reset()
+
+    def block_tables(self) -> dict[str, list[int]]:
+        return {rid: r.block_table for rid, r in self._requests.items() if r.block_table}
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, with every reference accounted for by a request's table."""
+        self.pool.check_integrity(self.block_tables())
+
+    def make_stats(self) -> SchedulerStats:
+        running = len(self._decoding) + (self._prefilling is not None)
+        return SchedulerStats(
+            num_running=running,
+            num_waiting=len(self._waiting),
+            kv_cache_usage=self.pool.usage(),
+            prefix_cache_queries=self.pool.stats.num_query_tokens,
+            prefix_cache_hits=self.pool.stats.num_hit_tokens,
+            num_prefill_chunks_computed=self._num_chunks_computed,
+            num_prefill_chunks_skipped=self._num_chunks_skipped,
+            num_decode_steps=self._num_decode_steps,
+            num_preemptions=self._num_preemptions,
+        )

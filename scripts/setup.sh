@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv and installs spyre-server into it. Usage: scripts/setup.sh [--dev]
+#   --dev   also installs the test and lint tools (pytest, hypothesis, ruff, mypy)
+# torch 2.13.0 (the CPU build) goes in first, so nothing later pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=""
+[ "${1:-}" = "--dev" ] && extra="[dev]"
+python3 -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet torch==2.13.0
+.venv/bin/python -m pip install --quiet -e ".${extra}"
+echo "spyre-server installed in .venv"

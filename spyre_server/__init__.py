@@ -1,0 +1,1 @@
+"""spyre-server: the HTTP layer, engine and model runner (DESIGN.md §2)."""
