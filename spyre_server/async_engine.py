@@ -1,0 +1,196 @@
+"""Runs an ``LLMEngine`` on one background thread and streams per-request output to asyncio.
+
+All engine and scheduler calls happen on the step thread: requests and aborts reach it through a
+command queue and are applied between steps, so the scheduler needs no locks. Output crosses back
+with ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from scheduler import FinishReason
+from spyre_server.engine import LLMEngine, RequestDelta
+from spyre_server.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped; no request can be served."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    cache_salt: str | None
+    done: concurrent.futures.Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    done: concurrent.futures.Future[object]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: deque[_Add | _Abort | _Call] = deque()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        """Why the step loop died, if it did."""
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="spyre-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort what is left and stop the step thread."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._queues)
+
+    # ---------------------------------------------------------------- requests
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream a request's output. Raises ValueError for a rejected request, EngineDeadError
+        if the loop is gone. Leaving the iteration early (client gone, task cancelled) aborts it."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine step loop is not running")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._send(_Add(request_id, prompt_token_ids, params, cache_salt, done))
+            await asyncio.wrap_future(done)
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self._send(_Abort(request_id))
+            self._queues.pop(request_id, None)
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run ``fn(engine)`` on the step thread between steps (e.g. reset the prefix cache)."""
+        done: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self._send(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def _send(self, command: _Add | _Abort | _Call) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    # --------------------------------------------------------------- step loop
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests:
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                self._publish(self.engine.step())
+        except BaseException as exc:  # a bug: report it on /health and to every waiting client
+            logger.exception("engine step loop died")
+            self.error = exc
+            self._fail_all(f"engine step loop died: {type(exc).__name__}: {exc}")
+        else:
+            self._fail_all("the server is shutting down")
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_request(
+                        command.request_id,
+                        command.prompt_token_ids,
+                        command.params,
+                        cache_salt=command.cache_salt,
+                    )
+                except Exception as exc:
+                    command.done.set_exception(exc)
+                else:
+                    command.done.set_result(None)
+            elif isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+            else:
+                try:
+                    command.done.set_result(command.fn(self.engine))
+                except Exception as exc:
+                    command.done.set_exception(exc)
+
+    def _publish(self, deltas: list[RequestDelta]) -> None:
+        if deltas and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, deltas)
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    def _fail_all(self, message: str) -> None:
+        """End every request still known to the engine with an error, so no client hangs."""
+        for command in list(self._commands):
+            if isinstance(command, (_Add, _Call)) and not command.done.done():
+                command.done.set_exception(EngineDeadError(message))
+        deltas = []
+        for request_id in list(self._queues):
+            try:
+                delta = self.engine.abort_request(request_id)
+            except Exception:  # the engine may be what broke; the client still gets its answer
+                delta = None
+            deltas.append(
+                RequestDelta(
+                    request_id=request_id,
+                    text="",
+                    token_ids=[],
+                    logprobs=[],
+                    finish_reason=FinishReason.ERROR,
+                    num_prompt_tokens=delta.num_prompt_tokens if delta else 0,
+                    num_cached_tokens=delta.num_cached_tokens if delta else 0,
+                    error=message,
+                )
+            )
+        self._publish(deltas)

@@ -1,0 +1,85 @@
+"""Incremental detokenization with stop strings.
+
+Text is released only once it is stable: a token sequence that ends inside a multi-byte character
+decodes to U+FFFD and waits for the next token, and the last ``max(len(stop)) - 1`` characters are
+held back while they could still be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_PROMPT_CONTEXT_TOKENS = (
+    5  # prompt tokens decoded with the output, so leading spaces come out right
+)
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    __slots__ = (
+        "_emitted",
+        "_hold_back",
+        "_prefix_offset",
+        "_read_offset",
+        "_stop",
+        "_token_ids",
+        "_tokenizer",
+        "text",
+    )
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+    ) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._token_ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._stop = tuple(stop)
+        self._hold_back = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""
+        """The output text so far (cut before a stop string once one is found)."""
+        self._emitted = 0
+
+    def add_tokens(self, token_ids: Sequence[int], finished: bool) -> tuple[str, bool]:
+        """Add sampled tokens; returns (text that can be released now, stop string found).
+
+        After a stop string is found the text ends before it and nothing more may be added.
+        """
+        stopped = False
+        for token_id in token_ids:
+            self._token_ids.append(token_id)
+            new_text = self._decode_new()
+            if not new_text:
+                continue
+            search_from = max(0, len(self.text) - self._hold_back)
+            self.text += new_text
+            cut = self._find_stop(search_from)
+            if cut is not None:
+                self.text = self.text[:cut]
+                stopped = True
+                break
+        releasable = len(self.text) if finished or stopped else len(self.text) - self._hold_back
+        delta = self.text[self._emitted : max(releasable, self._emitted)]
+        self._emitted += len(delta)
+        return delta, stopped
+
+    def _decode_new(self) -> str:
+        ids = self._token_ids
+        prefix_text = self._tokenizer.decode(
+            ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
+        full_text = self._tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for more tokens
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        return full_text[len(prefix_text) :]
+
+    def _find_stop(self, search_from: int) -> int | None:
+        found = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        return min(found) if found else None

@@ -1,0 +1,166 @@
+"""Builds a ready engine from the configuration: model, tokenizer, KV cache, scheduler."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scheduler import Scheduler, SchedulerConfig
+from spyre_server.config import Config
+from spyre_server.engine import LLMEngine
+from spyre_server.model_runner import ModelRunner, kv_cache_shape
+from spyre_server.model_store import default_cache_dir, prepare_default_model
+
+logger = logging.getLogger(__name__)
+
+_FAST_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
+
+
+class ModelLoadError(RuntimeError):
+    """The configured model cannot be served; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    path: Path
+    name: str
+    model: torch.nn.Module
+    tokenizer: Any
+    dtype: torch.dtype
+    eos_token_id: int | None
+    vocab_size: int
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto``: bfloat16 where the CPU multiplies it natively (AMX / AVX512-BF16), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if cpu_flags() & _FAST_BF16_FLAGS else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def physical_cores() -> int:
+    """Physical cores this process may use (hyper-threads do not speed up matrix products)."""
+    available = len(os.sched_getaffinity(0))
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return available
+    socket = ""
+    cores = set()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "physical id":
+            socket = value.strip()
+        elif key.strip() == "core id":
+            cores.add((socket, value.strip()))
+    return max(1, min(len(cores), available) if cores else available)
+
+
+def resolve_model_path(config: Config, progress: Any = None) -> Path:
+    if config.model.path is not None:
+        path = config.model.path.expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"model.path {path} is not an HF-format model folder (no config.json there)"
+            )
+        return path
+    cache_dir = config.model.cache_dir or default_cache_dir()
+    return prepare_default_model(cache_dir, progress=progress)
+
+
+def load_model(path: Path, dtype: torch.dtype) -> LoadedModel:
+    """Load an HF-format checkpoint with fms and its tokenizer from the same folder."""
+    from fms.models import get_model
+    from transformers import AutoTokenizer
+
+    try:
+        model = get_model("hf_pretrained", model_path=str(path), data_type=dtype, device_type="cpu")
+    except Exception as exc:
+        architectures = _architectures(path)
+        raise ModelLoadError(
+            f"fms cannot load the model at {path} (architectures {architectures}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    model.eval()
+    kv_cache_shape(model)  # fails early for models without fms attention modules
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if not embeddings:
+        raise ModelLoadError(f"the model at {path} has no token embedding")
+    return LoadedModel(
+        path=path,
+        name=path.name,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        eos_token_id=tokenizer.eos_token_id,
+        vocab_size=embeddings[0].num_embeddings,
+    )
+
+
+def _architectures(path: Path) -> list[str]:
+    try:
+        return list(json.loads((path / "config.json").read_text()).get("architectures", []))
+    except (OSError, ValueError):
+        return []
+
+
+def num_kv_blocks(config: Config, model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """``cache.num_blocks`` if set, else as many blocks as ``cache.kv_cache_memory`` holds."""
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    per_block = kv_cache_shape(model).bytes_per_block(config.cache.block_size, dtype)
+    num_blocks = config.cache.kv_cache_bytes // per_block
+    if num_blocks < 2:
+        raise ModelLoadError(
+            f"cache.kv_cache_memory ({config.cache.kv_cache_memory}) holds fewer than 2 KV blocks "
+            f"of {per_block} bytes each"
+        )
+    return num_blocks
+
+
+def build_engine(config: Config, loaded: LoadedModel) -> LLMEngine:
+    num_blocks = num_kv_blocks(config, loaded.model, loaded.dtype)
+    sched_config = SchedulerConfig(
+        block_size=config.cache.block_size,
+        chunk_size=config.scheduler.chunk_size,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_model_len=config.model.max_model_len,
+        num_blocks=num_blocks,
+        max_batch_tkv_limit=config.scheduler.max_batch_tkv_limit,
+        interleave=config.scheduler.interleave,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+        cache_decode_blocks=config.cache.cache_decode_blocks,
+    )
+    scheduler = Scheduler(
+        sched_config,
+        hash_seed=config.cache.hash_seed,
+        model_name=config.model.served_model_name or loaded.name,
+    )
+    runner = ModelRunner(
+        loaded.model, num_blocks=num_blocks, block_size=config.cache.block_size, dtype=loaded.dtype
+    )
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%s)", num_blocks, config.cache.block_size, loaded.dtype
+    )
+    return LLMEngine(
+        scheduler,
+        runner,
+        loaded.tokenizer,
+        eos_token_id=loaded.eos_token_id,
+        vocab_size=loaded.vocab_size,
+    )
