@@ -45,6 +45,49 @@ class FreeBlockQueue:
         self.remove(first)
         return first
 
+    def popleft_many(self, count: int) -> list[KVBlock]:
+        """Unlink the first ``count`` blocks (the caller checked there are that many)."""
+        if not 0 <= count <= self._len:
+            raise ValueError(f"cannot take {count} blocks from a queue of {self._len}")
+        taken = []
+        node = self._head.next_free
+        for _ in range(count):
+            assert node is not None
+            taken.append(node)
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            node = nxt
+        assert node is not None
+        self._head.next_free = node
+        node.prev_free = self._head
+        self._len -= count
+        return taken
+
+    def push_released(self, blocks: Iterable[KVBlock]) -> None:
+        """Queue blocks in the given order: cached ones (with a hash) at the back, so they are
+        evicted last; the others at the front, since nobody can hit them."""
+        blocks = list(blocks)
+        queued = next((b for b in blocks if b.prev_free is not None), None)
+        if queued is not None or len({id(b) for b in blocks}) != len(blocks):
+            bad = queued or blocks[0]
+            raise ValueError(f"block {bad.block_id} is already in the free queue")
+        head, tail = self._head, self._tail
+        count = 0
+        for block in blocks:
+            prev: KVBlock | None
+            nxt: KVBlock | None
+            if block.block_hash is None:
+                prev, nxt = head, head.next_free
+            else:
+                prev, nxt = tail.prev_free, tail
+            assert prev is not None and nxt is not None
+            block.prev_free = prev
+            block.next_free = nxt
+            prev.next_free = block
+            nxt.prev_free = block
+            count += 1
+        self._len += count
+
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import struct
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ BlockHash = bytes
 """A 16-byte xxh3_128 digest."""
 
 _MAX_TOKEN_ID = 2**32 - 1
+_BIG_ENDIAN = sys.byteorder == "big"
 _U32 = struct.Struct("<I")
 
 # One tag per kind of extra key. Never reuse or renumber a tag: hashes are shared across replicas.
@@ -74,11 +76,16 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be in [0, {_MAX_TOKEN_ID}]: {exc}") from None
     if encoded.itemsize != 4:  # pragma: no cover - platforms where unsigned int is not 32 bits
         raise RuntimeError("array('I') is not 32 bits wide on this platform")
+    if _BIG_ENDIAN:  # pragma: no cover - hashes are shared across replicas: one byte order
+        encoded.byteswap()
     return encoded.tobytes()
 
 
 def decode_token_ids(token_bytes: bytes) -> tuple[int, ...]:
-    return tuple(array("I", token_bytes))
+    decoded = array("I", token_bytes)
+    if _BIG_ENDIAN:  # pragma: no cover
+        decoded.byteswap()
+    return tuple(decoded)
 
 
 def hash_block(parent: BlockHash, token_bytes: bytes, extra: ExtraKeys) -> BlockHash:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvcache.block import KVBlock
+from kvcache.block import BlockIdentity, KVBlock
 from kvcache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -75,29 +75,35 @@ class BlockPool:
 
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of these blocks sit in the free queue (sharing them takes them out)."""
-        return sum(1 for block_id in block_ids if self._blocks[block_id].ref_count == 0)
+        return sum(1 for block_id in block_ids if self._user_block(block_id).ref_count == 0)
 
     # -------------------------------------------------------------- allocation
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Take ``num_blocks`` from the front of the free queue, or ``None`` (and change nothing)."""
+        """Take ``num_blocks`` from the front of the free queue, or ``None`` (and change nothing).
+
+        A taken block that is still cached loses its hash here (lazy eviction).
+        """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free):
             return None
-        block_ids = []
-        for _ in range(num_blocks):
-            block = self._free.popleft()
-            assert block is not None
-            if block.block_hash is not None:
-                self._evict(block)
+        blocks = self._free.popleft_many(num_blocks)
+        evicted: list[BlockHash] = []
+        for block in blocks:
             block.ref_count = 1
-            block_ids.append(block.block_id)
-        return block_ids
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                del self._cached[block.block_hash]
+                block.drop_hash()
+        if evicted and self._subscribers:
+            for block_hash in evicted:
+                self._emit(BlockRemoved(block_hash))
+        return [block.block_id for block in blocks]
 
-    def share(self, block_ids: Iterable[int]) -> None:
+    def share(self, block_ids: Sequence[int]) -> None:
         """Add one holder to each block (a cache hit); a free block leaves the queue, hash kept."""
-        for block_id in block_ids:
-            block = self._user_block(block_id)
+        blocks = [self._user_block(block_id) for block_id in block_ids]
+        for block in blocks:
             if block.ref_count == 0:
                 self._free.remove(block)
             block.ref_count += 1
@@ -106,51 +112,68 @@ class BlockPool:
         """Drop one holder from each block of a block table (given in table order).
 
         Released tail first, so a chain's end is evicted before its root; a block without a hash
-        goes to the front of the queue since nobody can hit it.
+        goes to the front of the queue since nobody can hit it. All or nothing: a bad id or a
+        block without holders raises before anything changes.
         """
-        for block_id in reversed(block_ids):
-            block = self._user_block(block_id)
-            if block.ref_count <= 0:
-                raise ValueError(f"block {block_id} freed more often than it was taken")
+        blocks = [self._user_block(block_id) for block_id in reversed(block_ids)]
+        if any(block.ref_count <= 0 for block in blocks) or len(set(block_ids)) != len(blocks):
+            counts = Counter(block_ids)
+            bad = next(b for b in blocks if b.ref_count < counts[b.block_id])
+            raise ValueError(f"block {bad.block_id} freed more often than it was taken")
+        released = []
+        for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.block_hash is None:
-                    self._free.appendleft(block)
-                else:
-                    self._free.append(block)
+                released.append(block)
+        self._free.push_released(released)
 
     # ------------------------------------------------------------ prefix cache
     def register(
         self, block_id: int, chain: BlockHashChain, index: int, parent_id: int | None
-    ) -> bool:
-        """Make block ``block_id`` (in use, its KV fully written) findable as full block ``index``
-        of ``chain``, chained onto ``parent_id`` (the previous block of the same block table).
+    ) -> int | None:
+        """Offer block ``block_id`` (in use, all its KV written) to the cache as full block
+        ``index`` of ``chain``, chained onto ``parent_id``: the cached block that holds block
+        ``index - 1`` of the chain (``None`` for block 0), which the caller must hold.
 
-        Returns whether the block is now cached under that hash. It stays unhashed when caching is
-        off, when an equal block is already registered (the first one stays), or when its parent
-        is not cached as the previous link of the chain (nobody could reach it).
+        Returns the block that now holds this content in the cache: ``block_id`` itself, or an
+        equal block registered earlier (the first one stays; ``block_id`` stays unhashed). Hold
+        the returned block (e.g. swap it for ``block_id``) and chain the next block onto it. ``None`` when the content cannot be cached: caching
+        is off, ``parent_id`` is not cached as the previous link, or a different block in use
+        holds the same hash (a collision).
         """
         if not self.enable_caching:
-            return False
+            return None
         block = self._user_block(block_id)
         if block.ref_count <= 0:
             raise ValueError(f"block {block_id} is not in use and cannot be registered")
         block_hash = chain.hashes[index]
-        if block.block_hash is not None:
-            return block.block_hash == block_hash
-        if block_hash in self._cached:
-            return False
         parent_hash = chain.parent_of(index)
+        parent: BlockIdentity | None = None
         if index > 0:
             if parent_id is None:
                 raise ValueError(f"block index {index} > 0 needs its parent block id")
-            parent = self._blocks[parent_id]
-            if parent.block_hash != parent_hash:
-                return False
-            block.parent = parent.identity
+            parent_block = self._user_block(parent_id)
+            if parent_block.ref_count <= 0:
+                raise ValueError(
+                    f"parent block {parent_id} is not held by anyone: hold the parent you chain "
+                    "onto, or it may be recycled under you"
+                )
+            if parent_block.block_hash != parent_hash:
+                return None
+            parent = parent_block.identity
+        if block.block_hash is not None:  # already cached: a shared hit
+            return block_id if self._holds(block, chain, index, parent) else None
+        existing = self._cached.get(block_hash)
+        if existing is not None:
+            if self._holds(existing, chain, index, parent):
+                return existing.block_id
+            if existing.ref_count > 0:
+                return None
+            self._evict(existing)  # free and unreachable or colliding: the new block takes over
         block.block_hash = block_hash
         block.token_bytes = chain.token_bytes[index]
         block.extra = chain.extra
+        block.parent = parent
         block.parent_hash = parent_hash
         self._cached[block_hash] = block
         if self._subscribers:
@@ -163,7 +186,7 @@ class BlockPool:
                     extra_keys=chain.extra,
                 )
             )
-        return True
+        return block_id
 
     def lookup(self, chain: BlockHashChain, max_blocks: int | None = None) -> list[int]:
         """Longest cached prefix of ``chain``: the block ids of its leading full blocks that hit.
@@ -175,22 +198,28 @@ class BlockPool:
             return []
         limit = chain.num_blocks if max_blocks is None else min(max_blocks, chain.num_blocks)
         cached = self._cached
-        extra = chain.extra.encoded
+        holds = self._holds
         hits: list[int] = []
         parent = None
         for index in range(limit):
             block = cached.get(chain.hashes[index])
-            if (
-                block is None
-                or block.parent != parent
-                or block.token_bytes != chain.token_bytes[index]
-                or block.extra is None
-                or block.extra.encoded != extra
-            ):
+            if block is None or not holds(block, chain, index, parent):
                 break
             hits.append(block.block_id)
             parent = block.identity
         return hits
+
+    @staticmethod
+    def _holds(
+        block: KVBlock, chain: BlockHashChain, index: int, parent: BlockIdentity | None
+    ) -> bool:
+        """Whether cached ``block`` holds exactly block ``index`` of ``chain`` after ``parent``."""
+        return (
+            block.parent == parent
+            and block.token_bytes == chain.token_bytes[index]
+            and block.extra is not None
+            and block.extra.encoded == chain.extra.encoded
+        )
 
     def record_admission(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (never called for lookups that did not admit)."""

@@ -42,7 +42,7 @@ class PrefillChunk:
         return self.positions[-1] + 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built for every request at every decode step
 class DecodeEntry:
     request_id: str
     token_id: int
@@ -70,7 +70,7 @@ class ModelRunnerOutput:
     sampled_token_ids: Mapping[str, int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built for every request at every decode step
 class RequestOutput:
     request_id: str
     new_token_ids: tuple[int, ...]

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache import BlockHashChain
@@ -67,6 +66,9 @@ class Request:
     """Tokens the current prefill covers: the prompt, plus earlier outputs after a preemption."""
     num_registered_blocks: int = 0
     """Leading blocks already offered to the cache (registered, or found to be duplicates)."""
+    cached_tail_block_id: int | None = None
+    """The cached block holding block ``num_registered_blocks - 1`` (in the request's table); the
+    next registration chains onto it. ``None``: not cached (or none yet)."""
     num_cached_tokens: int | None = None
     """Prompt tokens whose compute was skipped, fixed at the first admission."""
     num_preemptions: int = 0
@@ -86,12 +88,9 @@ class Request:
     def grid(self, chunk_size: int) -> ChunkGrid:
         return ChunkGrid(self.num_prefill_tokens, self.chain.block_size, chunk_size)
 
-    def max_decode_tkv(self, chunk_size: int) -> int:
-        """Upper bound on this request's tkv at any decode step: padded prefill + tokens left."""
-        remaining = self.max_tokens - len(self.output_token_ids)
-        return self.grid(chunk_size).num_padded_tokens + remaining
-
-    def append_output(self, token_ids: Sequence[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
-        self.chain.update(self.all_token_ids)
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        tokens = self.all_token_ids
+        tokens.append(token_id)
+        if len(tokens) % self.chain.block_size == 0:  # a block just filled: hash it
+            self.chain.update(tokens)

@@ -97,7 +97,6 @@ class Scheduler:
                 f"the request needs {request.num_blocks_needed} KV blocks for prompt + max_tokens "
                 f"but the cache has {self.pool.num_usable_blocks}"
             )
-        request.num_prefill_tokens = len(request.prompt_token_ids)
         tkv = self._max_decode_tkv(request)
         if tkv > cfg.batch_tkv_limit:
             raise ValueError(
@@ -122,6 +121,10 @@ class Scheduler:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -163,8 +166,9 @@ class Scheduler:
         if (len(running) + 1) * max_tkv > cfg.batch_tkv_limit:
             return False
 
+        use_cache = self.pool.enable_caching and not request.needs_prompt_logits
         hits: list[int] = []
-        if not request.needs_prompt_logits:
+        if use_cache:
             hits = self.pool.lookup(request.chain, request.num_prefill_tokens // bs)
         reserved = sum(r.num_blocks_needed - len(r.block_table) for r in running)
         blocks_to_take = request.num_blocks_needed - len(hits) + self.pool.num_free_among(hits)
@@ -179,20 +183,23 @@ class Scheduler:
         request.block_table = hits + new_blocks
         request.num_hit_blocks = len(hits)
         request.num_registered_blocks = len(hits)
+        request.cached_tail_block_id = hits[-1] if hits else None
         request.num_computed_tokens = usable * bs
         request.status = RequestStatus.PREFILLING
         self._num_chunks_skipped += (usable * bs + grid.num_left_pad_tokens) // cfg.chunk_size
         if request.num_cached_tokens is None:  # first admission only (not after a preemption)
             request.num_cached_tokens = usable * bs
-            self.pool.record_admission(len(request.prompt_token_ids), usable * bs)
+            if use_cache:  # a bypassed lookup is no query (as in vLLM)
+                self.pool.record_admission(len(request.prompt_token_ids), usable * bs)
         return True
 
     def _max_decode_tkv(self, request: Request) -> int:
-        """Upper bound of the request's tkv at every decode step: its padded prefill plus the
-        tokens it may still generate (decode attends over the cached prefix too)."""
-        grid = request.grid(self.config.chunk_size)
-        num_tokens_left = len(request.prompt_token_ids) + request.max_tokens
-        return grid.num_padded_tokens + num_tokens_left - request.num_prefill_tokens
+        """Upper bound of the request's tkv at every decode step: its padded prompt plus
+        max_tokens (decode attends over the cached prefix too). Fixed for the request's life,
+        so a request that passed the check in add_request always fits alone, also after a
+        preemption (its real context never exceeds prompt + max_tokens - 1)."""
+        bs = self.config.block_size
+        return cdiv(len(request.prompt_token_ids), bs) * bs + request.max_tokens
 
     def _schedule_prefill(self, request: Request) -> PrefillChunk:
         cfg = self.config
@@ -226,27 +233,25 @@ class Scheduler:
     def _schedule_decode(self) -> DecodeBatch | None:
         bs = self.config.block_size
         entries = []
+        max_position = -1
         for request in list(self._decoding):
             if request.status is not RequestStatus.DECODING:
                 continue  # preempted while making room for an earlier entry
-            position = len(request.all_token_ids) - 1
-            if position // bs == len(request.block_table) and not self._grow(request):
+            tokens = request.all_token_ids
+            position = len(tokens) - 1
+            table = request.block_table
+            if position // bs == len(table) and not self._grow(request):
                 continue
-            block_id = request.block_table[position // bs]
+            slot = table[position // bs] * bs + position % bs
             entries.append(
-                DecodeEntry(
-                    request_id=request.request_id,
-                    token_id=request.all_token_ids[-1],
-                    position=position,
-                    slot=block_id * bs + position % bs,
-                    block_table=tuple(request.block_table),
-                )
+                DecodeEntry(request.request_id, tokens[-1], position, slot, tuple(table))
             )
+            max_position = max(max_position, position)
         if not entries:
             return None
         self._num_decode_steps += 1
         # Victims of a preemption are always newer than the entries already made.
-        return DecodeBatch(tuple(entries), tkv=max(e.position for e in entries) + 1)
+        return DecodeBatch(tuple(entries), tkv=max_position + 1)
 
     def _grow(self, request: Request) -> bool:
         """Give a decoding request its next block. Preempts the newest other running request
@@ -292,33 +297,51 @@ class Scheduler:
             self._decoding.append(request)
             return [self._append_token(request, output.sampled_token_ids[request.request_id])]
 
+        bs = self.config.block_size
+        requests = self._requests
+        sampled = output.sampled_token_ids
+        decoding = RequestStatus.DECODING
         outputs = []
         for entry in step.entries:
-            request = self._requests.get(entry.request_id)
-            if request is None or request.status is not RequestStatus.DECODING:
+            request = requests.get(entry.request_id)
+            if request is None or request.status is not decoding:
                 continue
             request.num_computed_tokens = entry.position + 1
-            self._register_computed_blocks(request)
-            outputs.append(self._append_token(request, output.sampled_token_ids[entry.request_id]))
+            if request.num_computed_tokens // bs > request.num_registered_blocks:
+                self._register_computed_blocks(request)
+            outputs.append(self._append_token(request, sampled[entry.request_id]))
         return outputs
 
     def _register_computed_blocks(self, request: Request) -> None:
-        """Offer every block whose 64 positions are all computed to the cache, once."""
-        if not self.pool.enable_caching:
-            return
+        """Offer every block whose 64 positions are all computed to the cache, once.
+
+        Each block is chained onto the cached block holding the previous one. When an equal
+        block was registered first (a peer computed the same content), the request swaps its
+        copy for that block, so it holds a reference to every block of its cached chain.
+        """
         bs = self.config.block_size
         limit = request.num_computed_tokens // bs
         if not self.config.cache_decode_blocks:
             limit = min(limit, request.num_prefill_tokens // bs)
+        if limit <= request.num_registered_blocks:
+            return
         table = request.block_table
+        parent = request.cached_tail_block_id
         for index in range(request.num_registered_blocks, limit):
-            self.pool.register(
-                table[index], request.chain, index, table[index - 1] if index else None
-            )
-        request.num_registered_blocks = max(request.num_registered_blocks, limit)
+            if index > 0 and parent is None:
+                break  # the chain is broken: nobody could reach the later blocks
+            parent = self.pool.register(table[index], request.chain, index, parent)
+            if parent is not None and parent != table[index]:
+                # An equal block was cached first: hold it instead of our copy (same KV, and
+                # the block we chain onto can then never be recycled under us).
+                self.pool.share([parent])
+                self.pool.free([table[index]])
+                table[index] = parent
+        request.cached_tail_block_id = parent
+        request.num_registered_blocks = limit
 
     def _append_token(self, request: Request, token_id: int) -> RequestOutput:
-        request.append_output((token_id,))
+        request.append_output(token_id)
         reason = None
         if token_id in request.stop_token_ids or token_id == request.eos_token_id:
             reason = FinishReason.STOP
@@ -346,6 +369,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_hit_blocks = 0
         request.num_registered_blocks = 0
+        request.cached_tail_block_id = None
 
     # ------------------------------------------------------------- inspection
     def reset_prefix_cache(self) -> int:
