@@ -79,6 +79,13 @@ class AsyncEngine:
     def num_active_requests(self) -> int:
         return len(self._queues)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: queued in the scheduler or still on their way to it.
+        Read from other threads: an estimate for admission control, not an exact count."""
+        pending = sum(1 for c in list(self._commands) if isinstance(c, _Add))
+        return self.engine.scheduler.num_waiting + pending
+
     # ---------------------------------------------------------------- requests
     async def generate(
         self,
@@ -112,6 +119,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run ``fn(engine)`` on the step thread between steps (e.g. reset the prefix cache)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine step loop is not running")
         done: concurrent.futures.Future[object] = concurrent.futures.Future()
         self._send(_Call(fn, done))
         return await asyncio.wrap_future(done)
@@ -140,6 +149,13 @@ class AsyncEngine:
     def _apply_commands(self) -> None:
         while self._commands:
             command = self._commands.popleft()
+            if (
+                isinstance(command, _Add | _Call)
+                and not command.done.set_running_or_notify_cancel()
+            ):
+                if isinstance(command, _Add):
+                    self._queues.pop(command.request_id, None)
+                continue  # the caller gave up (cancelled) before the step thread got to it
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(

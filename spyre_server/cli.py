@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from spyre_server.config import ConfigError, load_config
+from spyre_server.config import Config, ConfigError, load_config
 from spyre_server.model_store import ModelStoreError, default_cache_dir, prepare_default_model
 
 
@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     prepare.add_argument("--config", type=Path, help="config file (for model.cache_dir)")
     prepare.add_argument("--cache-dir", type=Path, help="overrides model.cache_dir")
-    commands.add_parser("serve", help="start the OpenAI-compatible server")
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
+    serve.add_argument("--config", type=Path, help="config file (default: built-in defaults)")
+    serve.add_argument("--host", help="overrides server.host")
+    serve.add_argument("--port", type=int, help="overrides server.port")
+    serve.add_argument("--model", help="overrides model.path (an HF-format model folder)")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare-model":
@@ -30,14 +34,33 @@ def main(argv: list[str] | None = None) -> int:
             cache_dir = args.cache_dir or config.model.cache_dir or default_cache_dir()
             print(prepare_default_model(cache_dir, progress=_progress))
             return 0
-        _progress(
-            "setup is complete, but the HTTP server is not built yet (it is the next issue); "
-            "nothing to start."
-        )
-        return 1
+        overrides = {
+            key: value
+            for key, value in (
+                ("server.host", args.host),
+                ("server.port", args.port),
+                ("model.path", args.model),
+            )
+            if value is not None
+        }
+        config = load_config(args.config, overrides=overrides)
+        return _serve(config)
     except (ConfigError, ModelStoreError) as exc:
         _progress(f"error: {exc}")
         return 2
+
+
+def _serve(config: Config) -> int:
+    # Imported here: torch, fms and uvicorn take seconds to import.
+    from spyre_server.loading import ModelLoadError
+    from spyre_server.serve import serve
+
+    try:
+        serve(config)
+    except ModelLoadError as exc:
+        _progress(f"error: {exc}")
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

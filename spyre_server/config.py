@@ -25,7 +25,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=True, coerce_numbers_to_str=True
+    )
 
 
 class ModelSection(_Section):
@@ -105,7 +107,8 @@ def load_config(
             raise ConfigError(f"cannot read config file {path}: {exc}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections")
-        data = loaded
+        # A section with every key commented out reads as null: it means "all defaults".
+        data = {k: ({} if v is None else v) for k, v in loaded.items()}
     env = os.environ if environ is None else environ
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
@@ -113,7 +116,7 @@ def load_config(
         section, sep, key = name[len(ENV_PREFIX) :].lower().partition("__")
         if not sep or not key:
             raise ConfigError(f"{name}: expected {ENV_PREFIX}<SECTION>__<KEY>")
-        _set(data, section, key, yaml.safe_load(raw) if raw != "" else None, source=name)
+        _set(data, section, key, _parse_env_value(raw), source=name)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         _set(data, section, key, value, source=dotted)
@@ -126,8 +129,21 @@ def load_config(
         raise ConfigError(f"invalid configuration: {problems}") from None
 
 
+def _parse_env_value(raw: str) -> Any:
+    """YAML scalars and lists (``8``, ``true``, ``[a, b]``, ``null``); anything that is not
+    valid YAML is taken as the plain string."""
+    if raw == "":
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
 def _set(data: dict[str, Any], section: str, key: str, value: Any, *, source: str) -> None:
-    target = data.setdefault(section, {})
+    if data.get(section) is None:
+        data[section] = {}
+    target = data[section]
     if not isinstance(target, dict):
         raise ConfigError(f"{source}: section {section!r} is not a mapping")
     target[key] = value

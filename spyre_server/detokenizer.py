@@ -48,34 +48,43 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: Sequence[int], finished: bool) -> tuple[str, bool]:
         """Add sampled tokens; returns (text that can be released now, stop string found).
 
-        After a stop string is found the text ends before it and nothing more may be added.
+        With ``finished`` everything left is released, an incomplete character included (as
+        U+FFFD). After a stop string is found the text ends before it and nothing more may be
+        added.
         """
         stopped = False
         for token_id in token_ids:
             self._token_ids.append(token_id)
-            new_text = self._decode_new()
-            if not new_text:
-                continue
-            search_from = max(0, len(self.text) - self._hold_back)
-            self.text += new_text
-            cut = self._find_stop(search_from)
-            if cut is not None:
-                self.text = self.text[:cut]
-                stopped = True
+            stopped = self._append(self._decode_new(flush=False))
+            if stopped:
                 break
+        if finished and not stopped:
+            stopped = self._append(self._decode_new(flush=True))
         releasable = len(self.text) if finished or stopped else len(self.text) - self._hold_back
         delta = self.text[self._emitted : max(releasable, self._emitted)]
         self._emitted += len(delta)
         return delta, stopped
 
-    def _decode_new(self) -> str:
+    def _append(self, new_text: str) -> bool:
+        """Add decoded text; cut it before a stop string and return True if one appears."""
+        if not new_text:
+            return False
+        search_from = max(0, len(self.text) - self._hold_back)
+        self.text += new_text
+        cut = self._find_stop(search_from)
+        if cut is None:
+            return False
+        self.text = self.text[:cut]
+        return True
+
+    def _decode_new(self, flush: bool) -> str:
         ids = self._token_ids
         prefix_text = self._tokenizer.decode(
             ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
         )
         full_text = self._tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for more tokens
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not flush):
+            return ""  # nothing new, or an incomplete character: wait for more tokens
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
         return full_text[len(prefix_text) :]

@@ -132,8 +132,14 @@ class LLMEngine:
                 state.first_token_time = now
             state.token_ids.extend(out.new_token_ids)
             finish_reason = out.finish_reason
+            text_token_ids = out.new_token_ids
+            if (
+                finish_reason is FinishReason.STOP
+                and text_token_ids[-1] in state.params.stop_token_ids
+            ):
+                text_token_ids = text_token_ids[:-1]  # a stop token's text is not output
             text, stopped = state.detokenizer.add_tokens(
-                out.new_token_ids, finished=finish_reason is not None
+                text_token_ids, finished=finish_reason is not None
             )
             if stopped and finish_reason is None:
                 self.scheduler.finish_request(out.request_id, FinishReason.STOP)

@@ -70,6 +70,11 @@ def physical_cores() -> int:
     return max(1, min(len(cores), available) if cores else available)
 
 
+def configure_torch(config: Config) -> None:
+    """Torch threads: ``model.num_threads``, default the physical cores."""
+    torch.set_num_threads(config.model.num_threads or physical_cores())
+
+
 def resolve_model_path(config: Config, progress: Any = None) -> Path:
     if config.model.path is not None:
         path = config.model.path.expanduser()

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from scheduler import FinishReason
 from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
-from spyre_server.loading import build_engine, load_model, resolve_dtype, resolve_model_path
+from spyre_server.loading import (
+    build_engine,
+    configure_torch,
+    load_model,
+    resolve_dtype,
+    resolve_model_path,
+)
 from spyre_server.sampling import SamplingParams, TokenLogprobs
 
 Prompt = str | Sequence[int]
@@ -34,10 +40,7 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: Config) -> LLM:
-        import torch
-
-        if config.model.num_threads is not None:
-            torch.set_num_threads(config.model.num_threads)
+        configure_torch(config)
         loaded = load_model(resolve_model_path(config), resolve_dtype(config.model.dtype))
         return cls(build_engine(config, loaded))
 
