@@ -87,27 +87,38 @@ class AsyncEngine:
         return self.engine.scheduler.num_waiting + pending
 
     # ---------------------------------------------------------------- requests
-    async def generate(
+    async def add_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestDelta]:
-        """Stream a request's output. Raises ValueError for a rejected request, EngineDeadError
-        if the loop is gone. Leaving the iteration early (client gone, task cancelled) aborts it."""
+    ) -> None:
+        """Queue a request and wait until the engine accepted it; then read it with
+        ``stream(request_id)``. Raises ValueError for a rejected request, EngineDeadError if the
+        loop is gone. A caller that gives up before streaming must ``abort(request_id)``."""
         if not self.is_alive:
             raise EngineDeadError("the engine step loop is not running")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._queues[request_id] = queue
-        finished = False
+        self._queues[request_id] = asyncio.Queue()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
         try:
-            done: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._send(_Add(request_id, prompt_token_ids, params, cache_salt, done))
             await asyncio.wrap_future(done)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            if done.done() and not done.cancelled() and done.exception() is None:
+                self._send(_Abort(request_id))  # accepted, but our caller is gone
+            raise
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
+        """The output of an added request. Leaving the iteration early (client gone, task
+        cancelled) aborts the request."""
+        queue = self._queues[request_id]
+        finished = False
+        try:
             while not finished:
                 delta = await queue.get()
                 finished = delta.finished
@@ -116,6 +127,24 @@ class AsyncEngine:
             if not finished:
                 self._send(_Abort(request_id))
             self._queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort an added request that nobody streams."""
+        self._send(_Abort(request_id))
+        self._queues.pop(request_id, None)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """``add_request`` then ``stream``."""
+        await self.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+        async for delta in self.stream(request_id):
+            yield delta
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run ``fn(engine)`` on the step thread between steps (e.g. reset the prefix cache)."""

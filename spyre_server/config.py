@@ -63,7 +63,7 @@ class SchedulerSection(_Section):
     max_num_seqs: int = Field(8, gt=0)
     max_batch_tkv_limit: int | None = Field(None, gt=0)
     interleave: bool = True
-    max_waiting: int = Field(256, ge=0)
+    max_waiting: int = Field(256, ge=1)
 
 
 class ServerSection(_Section):

@@ -1,0 +1,100 @@
+"""The FastAPI application: routes, auth, error envelopes, body limit (DESIGN §6)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spyre_server.api.auth import APIKeys
+from spyre_server.api.completions import register_generation_routes
+from spyre_server.api.errors import (
+    APIError,
+    api_error_handler,
+    error_body,
+    http_error_handler,
+    validation_error_handler,
+)
+from spyre_server.api.generation import GenerationLimits
+from spyre_server.api.metrics import ServerMetrics
+from spyre_server.api.middleware import Auth, BodyLimit, RequestId
+from spyre_server.async_engine import AsyncEngine
+from spyre_server.config import Config
+
+MAX_BODY_BYTES = 4 * 2**20
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    config: Config
+    model_name: str
+    limits: GenerationLimits
+    metrics: ServerMetrics
+    api_keys: APIKeys
+    created: int
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        try:
+            yield
+        finally:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="spyre-server", lifespan=lifespan)
+    app.state.server = state
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    # The last added runs first: request id, then the body limit, then auth.
+    open_paths = {"/health"} | (set() if state.config.server.metrics_require_auth else {"/metrics"})
+    app.add_middleware(Auth, keys=state.api_keys, open_paths=frozenset(open_paths))
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(RequestId)
+
+    def authorize(request: Request) -> str | None:
+        return state.api_keys.key_of(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.is_alive:
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "the engine step loop is not running"), 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "spyre-server",
+                    "max_model_len": state.limits.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        dropped = await state.engine.call(lambda engine: engine.scheduler.reset_prefix_cache())
+        return {"success": True, "dropped_blocks": dropped}
+
+    register_generation_routes(app, state, authorize)
+    return app

@@ -1,0 +1,106 @@
+"""Prometheus metrics with vLLM-compatible names (DESIGN §6), each labelled with model_name.
+
+Scheduler gauges and counters are read from the scheduler at scrape time (always fresh, also when
+idle); request latencies and token counts are recorded by the HTTP layer as requests progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, read_stats: Callable[[], SchedulerStats], model_name: str) -> None:
+        self._read_stats = read_stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read_stats()
+        name = [self._model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running", "Requests prefilling or decoding.", stats.num_running
+        )
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting for admission.", stats.num_waiting
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV blocks in use / usable KV blocks (0..1).",
+            stats.kv_cache_usage,
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (once per admitted request).",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens whose compute the prefix cache skipped.",
+            stats.prefix_cache_hits,
+        )
+        yield counter("vllm:num_preemptions", "Preemptions by recompute.", stats.num_preemptions)
+        steps = CounterMetricFamily(
+            "spyre:engine_steps", "Engine steps by kind.", labels=["model_name", "kind"]
+        )
+        steps.add_metric([self._model_name, "prefill"], stats.num_prefill_chunks_computed)
+        steps.add_metric([self._model_name, "decode"], stats.num_decode_steps)
+        yield steps
+        chunks = CounterMetricFamily(
+            "spyre:prefill_chunks",
+            "Prefill chunks computed, or skipped because the prefix cache held them.",
+            labels=["model_name", "source"],
+        )
+        chunks.add_metric([self._model_name, "computed"], stats.num_prefill_chunks_computed)
+        chunks.add_metric([self._model_name, "cache"], stats.num_prefill_chunks_skipped)
+        yield chunks
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, read_stats: Callable[[], SchedulerStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_SchedulerCollector(read_stats, model_name))
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        model = (model_name,)
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Prompt tokens of finished requests."
+        ).labels(*model)
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(
+            *model
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Arrival to first generated token."
+        ).labels(*model)
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between generated tokens."
+        ).labels(*model)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to the request's end."
+        ).labels(*model)

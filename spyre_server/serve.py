@@ -1,0 +1,78 @@
+"""Assembles the server from a configuration and runs it with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from spyre_server.api.app import ServerState, create_app
+from spyre_server.api.auth import APIKeys
+from spyre_server.api.generation import GenerationLimits
+from spyre_server.api.metrics import ServerMetrics
+from spyre_server.async_engine import AsyncEngine
+from spyre_server.config import Config
+from spyre_server.engine import LLMEngine
+from spyre_server.loading import (
+    LoadedModel,
+    build_engine,
+    configure_torch,
+    load_model,
+    resolve_dtype,
+    resolve_model_path,
+)
+
+logger = logging.getLogger("spyre_server")
+
+GRACEFUL_SHUTDOWN_SECONDS = 30
+
+
+def load(config: Config) -> LoadedModel:
+    configure_torch(config)
+    path = resolve_model_path(config, progress=lambda message: logger.info("%s", message))
+    return load_model(path, resolve_dtype(config.model.dtype))
+
+
+def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = None) -> FastAPI:
+    engine = engine or build_engine(config, loaded)
+    model_name = config.model.served_model_name or loaded.name
+    state = ServerState(
+        engine=AsyncEngine(engine),
+        tokenizer=loaded.tokenizer,
+        config=config,
+        model_name=model_name,
+        limits=GenerationLimits(
+            max_model_len=config.model.max_model_len,
+            vocab_size=loaded.vocab_size,
+            default_max_tokens=config.server.default_max_tokens,
+            max_waiting=config.scheduler.max_waiting,
+        ),
+        metrics=ServerMetrics(model_name, engine.scheduler.make_stats),
+        api_keys=APIKeys(config.server.api_keys),
+        created=int(time.time()),
+    )
+    return create_app(state)
+
+
+def serve(config: Config) -> None:
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    loaded = load(config)
+    app = build_app(config, loaded)
+    logger.info(
+        "serving %s on http://%s:%d",
+        config.model.served_model_name or loaded.name,
+        config.server.host,
+        config.server.port,
+    )
+    uvicorn.run(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.server.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
