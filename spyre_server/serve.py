@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 import uvicorn
@@ -69,6 +70,9 @@ def serve(config: Config) -> None:
         config.server.host,
         config.server.port,
     )
+    # uvicorn drains in-flight requests on SIGTERM, restores the previous handler and raises
+    # the signal again: make that previous handler a no-op so a graceful stop exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(
         app,
         host=config.server.host,
