@@ -1,0 +1,72 @@
+"""Shared model fixtures: the default model (SmolLM2-135M-Instruct) and a tiny random fms llama."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_SEED = 0
+
+
+def build_tiny_llama() -> torch.nn.Module:
+    """A tiny random fms llama with GQA (4 query heads, 2 KV heads), float32, eval mode.
+
+    Deterministic: torch is seeded before the weights are drawn. ~1 s on a CPU.
+    """
+    from fms.models import get_model
+
+    torch.manual_seed(TINY_SEED)
+    model = get_model("llama", "micro", data_type=torch.float32, nheads=4, kvheads=2)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The HF-format folder of SmolLM2-135M-Instruct, converted once per cache (~60 s)."""
+    from spyre_server.model_store import (
+        ModelStoreError,
+        default_cache_dir,
+        prepare_default_model,
+    )
+
+    try:
+        return prepare_default_model(default_cache_dir())
+    except ModelStoreError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> torch.nn.Module:
+    """One tiny random llama for the whole session; tests must not modify it."""
+    return build_tiny_llama()
+
+
+@pytest.fixture
+def tiny_llama_factory() -> object:
+    """Builds a fresh, identical copy of the tiny llama (for tests that need their own)."""
+    return build_tiny_llama
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Run on one torch thread (restored afterwards). The tiny model gains nothing from more; and
+    when other processes share the cores (CI runners, parallel jobs), torch's thread pool makes
+    every step several times slower: SmolLM2 decode steps took 4-8x longer on two threads than on
+    one on a busy 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_path: Path) -> object:
+    """SmolLM2 loaded once with fms in float32 (``spyre_server.loading.LoadedModel``)."""
+    from spyre_server.loading import load_model
+
+    return load_model(smollm2_path, torch.float32)
