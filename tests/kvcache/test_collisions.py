@@ -16,6 +16,7 @@ import xxhash
 import kvcache
 import kvcache.hashing
 from kvcache import NO_EXTRA_KEYS, BlockHashChain, BlockPool, ExtraKeys, root_hash
+from tests.kvcache.registration import hold_twin, register_all
 
 BS = 4
 ROOT = root_hash(0)
@@ -27,29 +28,6 @@ def make_chain(token_ids: Sequence[int], extra: ExtraKeys = NO_EXTRA_KEYS) -> Bl
     chain = BlockHashChain(BS, ROOT, extra)
     chain.update(token_ids)
     return chain
-
-
-def register_all(pool: BlockPool, table: list[int], chain: BlockHashChain) -> list[int | None]:
-    """Offer every full block as the scheduler does: chained onto the id returned for the
-    previous block; once that is ``None`` the later blocks are not offered (``None``)."""
-    returned: list[int | None] = []
-    parent: int | None = None
-    for i in range(chain.num_blocks):
-        if i > 0 and parent is None:
-            returned.append(None)
-            continue
-        parent = pool.register(table[i], chain, i, parent)
-        returned.append(parent)
-        if parent is not None and parent != table[i]:
-            hold_twin(pool, table, i, parent)
-    return returned
-
-
-def hold_twin(pool: BlockPool, table: list[int], index: int, twin: int) -> None:
-    """As the scheduler does: hold the equal block that was cached first instead of our copy."""
-    pool.share([twin])
-    pool.free([table[index]])
-    table[index] = twin
 
 
 def patch_hash(monkeypatch: pytest.MonkeyPatch, fn: HashFn) -> None:
