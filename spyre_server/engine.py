@@ -8,9 +8,8 @@ to the runner and what the runner sampled back to the scheduler.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler import FinishReason, ModelRunnerOutput, PrefillChunk, ScheduledStep, Scheduler
 from spyre_server.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -43,9 +42,6 @@ class _RequestState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int
-    arrival_time: float
-    first_token_time: float | None = None
-    token_ids: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -94,7 +90,6 @@ class LLMEngine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop),
             num_prompt_tokens=len(prompt_token_ids),
-            arrival_time=time.monotonic(),
         )
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
@@ -124,13 +119,9 @@ class LLMEngine:
         outputs = self.scheduler.update_from_output(
             step, ModelRunnerOutput(result.sampled_token_ids)
         )
-        now = time.monotonic()
         deltas = []
         for out in outputs:
             state = self._states[out.request_id]
-            if state.first_token_time is None:
-                state.first_token_time = now
-            state.token_ids.extend(out.new_token_ids)
             finish_reason = out.finish_reason
             text_token_ids = out.new_token_ids
             if (
