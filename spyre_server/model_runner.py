@@ -15,7 +15,7 @@ import torch
 from fms.modules.attention import MultiHeadAttention
 
 from scheduler import DecodeBatch, PrefillChunk, ScheduledStep
-from spyre_server.paged_attention import paged_attention_kwargs
+from spyre_server.paged_attention import paged_attention_kwargs, plan_attention
 from spyre_server.sampling import SamplingParams, TokenLogprobs, sample
 
 
@@ -101,28 +101,21 @@ class ModelRunner:
             if not step.is_last_chunk:
                 return None  # nothing to write, nothing to sample
             first = len(step.token_ids) - 1
-        end_position = step.positions[-1] + 1
-        num_context_blocks = -(-end_position // bs)
+        positions = step.positions[first:]
         input_ids = torch.tensor([step.token_ids[first:]])
-        position_ids = torch.tensor([step.positions[first:]])
-        kwargs = paged_attention_kwargs(
-            torch.tensor(step.slot_mapping[first:]),
-            torch.tensor([step.block_table[:num_context_blocks]]),
-            position_ids,
-        )
+        plan = plan_attention([step.block_table], [positions], bs)
+        kwargs = paged_attention_kwargs(torch.tensor(step.slot_mapping[first:]), plan)
+        position_ids = torch.tensor([positions])
         logits = self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)
         return logits[:, -1] if step.is_last_chunk else None
 
     def _decode(self, step: DecodeBatch) -> torch.Tensor:
         entries = step.entries
-        num_blocks = max(len(e.block_table) for e in entries)
-        tables = torch.zeros(len(entries), num_blocks, dtype=torch.long)
-        for row, entry in enumerate(entries):
-            tables[row, : len(entry.block_table)] = torch.tensor(entry.block_table)
-        position_ids = torch.tensor([[e.position] for e in entries])
-        kwargs = paged_attention_kwargs(
-            torch.tensor([e.slot for e in entries]), tables, position_ids
+        plan = plan_attention(
+            [e.block_table for e in entries], [[e.position] for e in entries], self.block_size
         )
+        kwargs = paged_attention_kwargs(torch.tensor([e.slot for e in entries]), plan)
+        position_ids = torch.tensor([[e.position] for e in entries])
         input_ids = torch.tensor([[e.token_id] for e in entries])
         return self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)[:, -1]
 

@@ -2,9 +2,20 @@
 
 K/V live in per-layer block tensors ``[num_blocks, block_size, kv_heads, head_dim]``. The store op
 writes the new keys/values in place at the slots the scheduler chose (block 0 is the sink for
-positions whose KV must not be stored); the compute op gathers each row's context through its
-block table and attends with a mask built from the query positions, so causal masking is always
-aligned to the end of the context. Nothing is copied but the context being attended over.
+positions whose KV must not be stored). The compute op reads each row's context through its block
+table, as planned once per step by ``plan_attention``:
+
+- *shared* blocks: the leading blocks that every row's table has in common and that lie wholly
+  before every query. They are gathered once per layer for the whole batch (not once per row)
+  and need no mask. Decode batches of requests with a common prompt prefix (system prompts, the
+  same document) mostly attend over shared blocks.
+- *own* blocks: the rest of each row's table, padded with block 0 to the longest row, attended
+  with a mask built from the query positions, so causal masking is always aligned to the end of
+  the context.
+
+Attention is computed with grouped queries (the query heads of one KV head are folded into the
+query rows), so K/V are never repeated per query head. Nothing is copied but the context being
+attended over.
 
 Selected per forward call with ``attn_name=ATTN_NAME`` and the keyword arguments built by
 ``paged_attention_kwargs``.
@@ -12,34 +23,86 @@ Selected per forward call with ``attn_name=ATTN_NAME`` and the keyword arguments
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from fms.modules.attention import register_attention_op
 
 ATTN_NAME = "spyre_server_paged"
 
 
-def paged_attention_kwargs(
-    slot_mapping: torch.Tensor, block_tables: torch.Tensor, position_ids: torch.Tensor
-) -> dict[str, Any]:
+@dataclass(slots=True)
+class AttentionPlan:
+    """How one step's queries read the KV cache; built once per step, used by every layer.
+
+    ``shared_blocks``: ``[num_shared_blocks]`` block ids every query of every row attends fully;
+    ``own_blocks``: ``[batch * num_own_blocks]`` the rest of each row's table, row-major, padded
+    with block 0; ``own_bias``: ``[batch, num_queries, num_own_blocks * block_size]``, 0 where a
+    query may attend the own key and -inf elsewhere (later positions, padding).
+    """
+
+    shared_blocks: torch.Tensor
+    own_blocks: torch.Tensor
+    own_bias: torch.Tensor
+    num_own_blocks: int
+    _grouped_bias: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def grouped_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """``own_bias`` with each query repeated for the ``group`` query heads that share one KV
+        head: ``[batch, 1, num_queries * group, own_len]`` (rows ordered query-major)."""
+        key = (group, dtype)
+        if key not in self._grouped_bias:
+            batch, num_queries, own_len = self.own_bias.shape
+            self._grouped_bias[key] = (
+                self.own_bias.to(dtype)
+                .unsqueeze(2)
+                .expand(batch, num_queries, group, own_len)
+                .reshape(batch, 1, num_queries * group, own_len)
+            )
+        return self._grouped_bias[key]
+
+
+def plan_attention(
+    block_tables: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], block_size: int
+) -> AttentionPlan:
+    """Plan a step whose row ``r`` has queries at ``positions[r]`` (ascending, same count in every
+    row) over the context ``block_tables[r]`` (at least up to its last query's block). The query
+    at position p attends the keys at positions 0..p of its own row."""
+    first_query_blocks = min(row[0] for row in positions) // block_size
+    num_shared = 0
+    reference = block_tables[0]
+    while num_shared < first_query_blocks and all(
+        table[num_shared] == reference[num_shared] for table in block_tables
+    ):
+        num_shared += 1
+    own_lengths = [-(-(row[-1] + 1) // block_size) - num_shared for row in positions]
+    num_own_blocks = max(own_lengths)
+    own = []
+    for table, length in zip(block_tables, own_lengths, strict=True):
+        own.extend(table[num_shared : num_shared + length])
+        own.extend([0] * (num_own_blocks - length))
+    key_positions = torch.arange(
+        num_shared * block_size, (num_shared + num_own_blocks) * block_size
+    )
+    visible = key_positions.view(1, 1, -1) <= torch.tensor(positions).unsqueeze(-1)
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)
+    return AttentionPlan(
+        shared_blocks=torch.tensor(reference[:num_shared], dtype=torch.long),
+        own_blocks=torch.tensor(own, dtype=torch.long),
+        own_bias=bias,
+        num_own_blocks=num_own_blocks,
+    )
+
+
+def paged_attention_kwargs(slot_mapping: torch.Tensor, plan: AttentionPlan) -> dict[str, Any]:
     """Keyword arguments for an fms forward with our op, built once per step (not per layer).
 
-    ``slot_mapping``: ``[batch * num_queries]``, where each query position's K/V is stored;
-    ``block_tables``: ``[batch, num_blocks]``, covering every row's context (short rows padded
-    with block 0, which the mask hides); ``position_ids``: ``[batch, num_queries]``.
-    The query at position p attends the keys at positions 0..p of its own row.
+    ``slot_mapping``: ``[batch * num_queries]``, where each query position's K/V is stored.
     """
-    kv_len = int(position_ids.max()) + 1
-    key_positions = torch.arange(kv_len, device=position_ids.device)
-    mask = key_positions.view(1, 1, 1, kv_len) <= position_ids.unsqueeze(1).unsqueeze(-1)
-    return {
-        "attn_name": ATTN_NAME,
-        "slot_mapping": slot_mapping,
-        "block_tables": block_tables,
-        "mask": mask,
-    }
+    return {"attn_name": ATTN_NAME, "slot_mapping": slot_mapping, "plan": plan}
 
 
 def _store(
@@ -72,22 +135,53 @@ def _compute(
     scale_factor: float | None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    block_tables: torch.Tensor = kwargs["block_tables"]
-    mask: torch.Tensor = kwargs["mask"]
-    batch, _, _, head_dim = query.shape
-    kv_len = mask.shape[-1]
-    keys = key_cache[block_tables].view(batch, -1, kvheads, head_dim)[:, :kv_len]
-    values = value_cache[block_tables].view(batch, -1, kvheads, head_dim)[:, :kv_len]
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=mask,
-        dropout_p=p_dropout,
+    """``query``: ``[batch, num_queries, nheads, head_dim]`` -> the same shape."""
+    plan: AttentionPlan = kwargs["plan"]
+    batch, num_queries, _, head_dim = query.shape
+    block_size = key_cache.shape[1]
+    group = nheads // kvheads
+    rows = num_queries * group
+    # [batch, kvheads, num_queries * group, head_dim]: the query heads of one KV head as rows.
+    q = query.view(batch, num_queries, kvheads, group, head_dim).transpose(1, 2)
+    q = q.reshape(batch, kvheads, rows, head_dim)
+
+    own_len = plan.num_own_blocks * block_size
+    own_keys = key_cache.index_select(0, plan.own_blocks).view(batch, own_len, kvheads, head_dim)
+    own_values = value_cache.index_select(0, plan.own_blocks)
+    own_values = own_values.view(batch, own_len, kvheads, head_dim)
+    out, lse = _flash_attention(
+        q,
+        own_keys.transpose(1, 2),
+        own_values.transpose(1, 2),
+        attn_mask=plan.grouped_bias(group, q.dtype),
         scale=scale_factor,
-        enable_gqa=nheads != kvheads,
     )
-    return out.transpose(1, 2).contiguous()
+    if plan.shared_blocks.numel() > 0:
+        # Every row of the batch against the shared keys at once, then the two softmax parts
+        # merged exactly through their log-sum-exps.
+        shared_len = plan.shared_blocks.numel() * block_size
+        shared_keys = key_cache.index_select(0, plan.shared_blocks)
+        shared_values = value_cache.index_select(0, plan.shared_blocks)
+        shared_out, shared_lse = _flash_attention(
+            q.transpose(0, 1).reshape(1, kvheads, batch * rows, head_dim),
+            shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+            shared_values.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+            scale=scale_factor,
+        )
+        shared_out = shared_out.view(kvheads, batch, rows, head_dim).transpose(0, 1)
+        shared_lse = shared_lse.view(kvheads, batch, rows).transpose(0, 1)
+        total_lse = torch.logaddexp(lse, shared_lse)
+        out = out * (lse - total_lse).exp_().unsqueeze(-1)
+        out += shared_out * (shared_lse - total_lse).exp_().unsqueeze(-1)
+    # [batch, kvheads, num_queries, group, head_dim] -> [batch, num_queries, nheads, head_dim]
+    out = out.view(batch, kvheads, num_queries, group, head_dim).transpose(1, 2)
+    return out.reshape(batch, num_queries, nheads, head_dim)
+
+
+_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""SDPA's CPU kernel, called directly because it also returns the log-sum-exp of every query
+row (needed to merge the shared and own parts): ``(q, k, v, *, attn_mask, scale) -> (out, lse)``
+with ``q`` ``[batch, heads, rows, head_dim]``, ``lse`` ``[batch, heads, rows]``."""
 
 
 register_attention_op(ATTN_NAME, _store, _compute)

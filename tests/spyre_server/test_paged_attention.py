@@ -1,0 +1,179 @@
+"""The attention plan (shared blocks read once per batch, own blocks per row) and the op's
+results against independent oracles: a plain full forward of fms and attention computed naively
+over each row's gathered context."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spyre_server import paged_attention
+from spyre_server.paged_attention import AttentionPlan, plan_attention
+from tests.spyre_server.test_model_correctness import (
+    BS,
+    LOGIT_TOL,
+    Harness,
+    full_forward_logits,
+    max_abs,
+    rand_tokens,
+)
+
+INF = math.inf
+
+
+def visible(plan: AttentionPlan) -> list[list[list[bool]]]:
+    return (plan.own_bias == 0).tolist()  # type: ignore[no-any-return]
+
+
+# ================================================================================ the plan
+def test_decode_rows_with_a_common_prefix_share_it() -> None:
+    tables = [[5, 6, 7, 9], [5, 6, 7, 10, 11], [5, 6, 7, 12]]
+    positions = [[200], [300], [192]]
+    plan = plan_attention(tables, positions, BS)
+    assert plan.shared_blocks.tolist() == [5, 6, 7]
+    assert plan.num_own_blocks == 2
+    assert plan.own_blocks.tolist() == [9, 0, 10, 11, 12, 0]
+    assert plan.own_bias.shape == (3, 1, 128)
+    keys = range(192, 320)  # key positions of the own part
+    assert visible(plan) == [[[k <= p[0] for k in keys]] for p in positions]
+
+
+def test_sharing_stops_at_the_first_differing_block() -> None:
+    plan = plan_attention([[1, 2, 3, 4], [1, 8, 3, 4]], [[255], [255]], BS)
+    assert plan.shared_blocks.tolist() == [1]
+    assert plan.own_blocks.tolist() == [2, 3, 4, 8, 3, 4]
+
+
+def test_the_block_holding_a_query_is_never_shared() -> None:
+    """Both rows decode into the same block (a prefix-cache hit being recomputed is written to
+    block 0, but the table still names the cached block): a shared block is read without a
+    mask, so it must lie wholly before every query."""
+    plan = plan_attention([[1, 2, 3], [1, 2, 3]], [[130], [140]], BS)
+    assert plan.shared_blocks.tolist() == [1, 2]
+    assert plan.own_blocks.tolist() == [3, 3]
+    assert visible(plan) == [
+        [[k <= 130 for k in range(128, 192)]],
+        [[k <= 140 for k in range(128, 192)]],
+    ]
+
+
+def test_the_shortest_row_caps_the_shared_part() -> None:
+    plan = plan_attention([[1, 2, 3, 4], [1, 2]], [[250], [70]], BS)
+    assert plan.shared_blocks.tolist() == [1]
+    assert plan.own_blocks.tolist() == [2, 3, 4, 2, 0, 0]
+
+
+def test_no_common_prefix() -> None:
+    plan = plan_attention([[1, 2], [3, 4], [5]], [[100], [127], [10]], BS)
+    assert plan.shared_blocks.tolist() == []
+    assert plan.own_blocks.tolist() == [1, 2, 3, 4, 5, 0]
+
+
+def test_prefill_chunk_shares_its_whole_past_and_masks_its_own_blocks() -> None:
+    """A chunk of queries at positions 256..383: the four blocks before it need no mask; its own
+    two blocks are causal."""
+    table = [11, 12, 13, 14, 15, 16, 17]
+    plan = plan_attention([table], [list(range(256, 384))], BS)
+    assert plan.shared_blocks.tolist() == [11, 12, 13, 14]
+    assert plan.own_blocks.tolist() == [15, 16]
+    bias = plan.own_bias[0]
+    assert bias.shape == (128, 128)
+    assert torch.equal(bias == 0, torch.ones(128, 128, dtype=torch.bool).tril())
+    assert bias[0, 1] == -INF
+
+
+def test_prefill_starting_mid_table_after_skipped_hits() -> None:
+    """Queries start at 192 (positions 128..191 were recomputed hits written to block 0, so the
+    runner skipped them): blocks 0..2 are shared, the chunk's last block is own."""
+    plan = plan_attention([[4, 5, 6, 7]], [list(range(192, 256))], BS)
+    assert plan.shared_blocks.tolist() == [4, 5, 6]
+    assert plan.own_blocks.tolist() == [7]
+
+
+def test_grouped_bias_repeats_each_query_for_its_heads() -> None:
+    plan = plan_attention([[1, 2]], [[64, 65]], BS)
+    grouped = plan.grouped_bias(3, torch.float32)
+    assert grouped.shape == (1, 1, 6, 64)
+    for row in range(6):
+        assert torch.equal(grouped[0, 0, row], plan.own_bias[0, row // 3])
+    assert plan.grouped_bias(3, torch.float32) is grouped  # built once per step
+
+
+# ================================================================= the op against oracles
+def naive_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: list[list[int]],
+    positions: list[list[int]],
+) -> torch.Tensor:
+    """Per row and head: gather the row's whole context, softmax(q k^T / sqrt(d)) v over the
+    keys at positions <= the query's, in float64."""
+    batch, num_queries, nheads, head_dim = query.shape
+    kvheads = key_cache.shape[2]
+    out = torch.empty(batch, num_queries, nheads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        keys = key_cache[tables[b]].reshape(-1, kvheads, head_dim).double()
+        values = value_cache[tables[b]].reshape(-1, kvheads, head_dim).double()
+        for i, p in enumerate(positions[b]):
+            for h in range(nheads):
+                kv = h // (nheads // kvheads)
+                scores = keys[: p + 1, kv] @ query[b, i, h].double() / math.sqrt(head_dim)
+                out[b, i, h] = torch.softmax(scores, dim=0) @ values[: p + 1, kv]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tables", "positions"),
+    [
+        ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[250], [200], [130]]),  # shared + own
+        ([[1, 2], [3, 4, 5], [6]], [[100], [150], [0]]),  # nothing shared
+        ([[7, 8, 9]], [list(range(130, 160))]),  # prefill: 2 shared blocks, causal own block
+        ([[7, 8, 9]], [list(range(0, 40))]),  # prefill of the first block
+    ],
+)
+def test_op_equals_naive_attention(tables: list[list[int]], positions: list[list[int]]) -> None:
+    torch.manual_seed(0)
+    nheads, kvheads, head_dim = 6, 2, 16
+    key_cache = torch.randn(12, BS, kvheads, head_dim)
+    value_cache = torch.randn(12, BS, kvheads, head_dim)
+    query = torch.randn(len(tables), len(positions[0]), nheads, head_dim)
+    plan = plan_attention(tables, positions, BS)
+    got = paged_attention._compute(
+        query, key_cache, value_cache, nheads, kvheads, 0.0, None, plan=plan
+    )
+    want = naive_attention(query, key_cache, value_cache, tables, positions)
+    assert got.shape == want.shape
+    assert max_abs(got, want) < 1e-5
+
+
+def test_decode_batch_sharing_a_prompt_prefix_equals_full_forwards(
+    tiny_llama: torch.nn.Module, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five requests whose prompts share 256 tokens (four blocks) and differ after it, with
+    different lengths: every decode step's logits equal a full forward of that row's tokens,
+    and the steps really read the common blocks through the shared path."""
+    shared_counts: list[int] = []
+
+    def spy(*args: object, **kwargs: object) -> AttentionPlan:
+        plan = plan_attention(*args, **kwargs)  # type: ignore[arg-type]
+        shared_counts.append(plan.shared_blocks.numel())
+        return plan
+
+    monkeypatch.setattr("spyre_server.model_runner.plan_attention", spy)
+    prefix = rand_tokens(256, seed=500)
+    h = Harness(tiny_llama, chunk_size=128, max_num_seqs=5)
+    for i, suffix_len in enumerate((1, 30, 64, 100, 150)):
+        h.add(f"r{i}", prefix + rand_tokens(suffix_len, seed=600 + i), 12)
+    h.run()
+    assert max(h.decode_batch_sizes()) == 5
+    assert max(shared_counts) >= 4
+    worst = 0.0
+    for trace in h.traces.values():
+        for i, row in enumerate(trace.logits):
+            diff = max_abs(row, full_forward_logits(tiny_llama, trace.prompt + trace.tokens[:i]))
+            worst = max(worst, diff)
+            assert diff <= LOGIT_TOL
+    print(f"\nshared-prefix decode vs full forward: max |logit diff| {worst:.2e}")
