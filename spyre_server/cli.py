@@ -1,4 +1,4 @@
-"""The ``spyre-server`` command: ``prepare-model`` and ``serve``."""
+"""The ``spyre-server`` command: ``prepare-model``, ``serve`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from spyre_server.benchmark.cli import add_parser as add_bench_parser
 from spyre_server.config import Config, ConfigError, load_config
 from spyre_server.model_store import ModelStoreError, default_cache_dir, prepare_default_model
 
@@ -27,7 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="overrides server.host")
     serve.add_argument("--port", type=int, help="overrides server.port")
     serve.add_argument("--model", help="overrides model.path (an HF-format model folder)")
+    add_bench_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        # Imported here: the benchmark needs httpx, tqdm and transformers, serving does not.
+        from spyre_server.benchmark.cli import run as run_bench
+
+        return run_bench(args)
     try:
         if args.command == "prepare-model":
             config = load_config(args.config)
