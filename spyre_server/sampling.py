@@ -1,8 +1,9 @@
 """Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds, logprobs).
 
-Everything is vectorised over the batch; only rows with a seed draw their noise from their own
-generator. A seeded row's randomness depends only on (seed, position), so the same seed gives the
-same output whatever else is in the batch, and a recomputed token is sampled the same way again.
+Everything is vectorised over the batch; only rows with a seed draw their random number from their
+own generator. A seeded row's randomness depends only on (seed, position), so the same seed gives
+the same output whatever else is in the batch, and a recomputed token is sampled the same way
+again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGPROBS = 20
+CANDIDATES = 256
+"""Top-k / top-p sort only this many of the best tokens first (see ``_top_k_top_p``)."""
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK_63 = (1 << 63) - 1
 
@@ -72,19 +75,17 @@ def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> SampleResult:
     """Sample one token per row of ``logits`` ``[batch, vocab]``; ``positions[i]`` is the position
-    the sampled token will take (it keys the seeded noise)."""
+    the sampled token will take (it keys the seeded randomness)."""
     logits = logits.float()
     batch = logits.shape[0]
-    greedy = torch.tensor([p.is_greedy for p in params])
     token_ids = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        scaled = logits / temperature.unsqueeze(1)
-        scaled = _apply_top_k_top_p(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = _exponential_noise(probs.shape, params, positions)
-        sampled = (probs / noise).argmax(dim=-1)
-        token_ids = torch.where(greedy, token_ids, sampled)
+    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if random_rows:
+        token_ids[random_rows] = _sample_random(
+            logits[random_rows],
+            [params[i] for i in random_rows],
+            [positions[i] for i in random_rows],
+        )
 
     logprobs: list[TokenLogprobs | None] = [None] * batch
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -105,30 +106,74 @@ def sample(
     return SampleResult(token_ids.tolist(), logprobs)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    vocab = logits.shape[1]
-    top_k = [p.top_k if p.top_k is not None else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    remove = ranks >= torch.tensor(top_k).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # the best token is always kept
-    remove = mass_before >= torch.tensor(top_p).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
-
-
-def _exponential_noise(
-    shape: torch.Size, params: Sequence[SamplingParams], positions: Sequence[int]
+def _sample_random(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> torch.Tensor:
-    """Exp(1) noise: argmax(probs / noise) is a sample from probs (the exponential race)."""
-    noise = torch.empty(shape).exponential_()
+    """One token id per row of ``logits`` (no row greedy), by inverse transform sampling: one
+    uniform number per row picks a token from the row's cumulative distribution, in vocabulary
+    order, or in probability order over the top-k / top-p candidates."""
+    vocab = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    scaled = logits / temperature
+    uniform = _uniform(params, positions)
+    restricted = [
+        i for i, p in enumerate(params) if p.top_p < 1 or (p.top_k is not None and p.top_k < vocab)
+    ]
+    if not restricted:
+        return _inverse_cdf(torch.softmax(scaled, dim=-1), uniform)
+    token_ids = torch.empty(len(params), dtype=torch.long)
+    if len(restricted) < len(params):
+        free = [i for i in range(len(params)) if i not in set(restricted)]
+        token_ids[free] = _inverse_cdf(torch.softmax(scaled[free], dim=-1), uniform[free])
+    weights, candidate_ids = _top_k_top_p(scaled[restricted], [params[i] for i in restricted])
+    chosen = _inverse_cdf(weights, uniform[restricted])
+    token_ids[restricted] = candidate_ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return token_ids
+
+
+def _top_k_top_p(
+    scaled: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate tokens of each row, best first, and their weights (0 where top-k or top-p
+    removes them): ``([rows, n], [rows, n])``. Top-k applies first; top-p then keeps a token iff
+    the probability mass (renormalised after top-k) of the tokens ranked before it is < top_p,
+    so the best token is always kept.
+
+    Only the best ``CANDIDATES`` tokens are sorted, unless a row's kept set may reach beyond
+    them (a flat distribution); then more, up to the whole vocabulary."""
+    vocab = scaled.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k is not None else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    log_total = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    num_candidates = min(vocab, max(CANDIDATES, *(min(p.top_k or 0, vocab) for p in params)))
+    while True:
+        values, ids = scaled.topk(num_candidates, dim=-1)
+        probs = (values - log_total).exp_()
+        top_k_cut = top_k <= num_candidates  # else the top-k set is the whole vocabulary
+        probs.masked_fill_(torch.arange(num_candidates) >= top_k.unsqueeze(1), 0.0)
+        mass = torch.where(top_k_cut, probs.sum(dim=-1), 1.0).unsqueeze(1)
+        probs /= mass
+        if num_candidates == vocab or bool((top_k_cut | (probs.sum(dim=-1) >= top_p[:, 0])).all()):
+            break
+        num_candidates = min(vocab, num_candidates * 4)
+    mass_before = probs.cumsum(dim=-1) - probs
+    return probs.masked_fill_(mass_before >= top_p, 0.0), ids
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative weight exceeds ``uniform`` times the row's total
+    (never a zero-weight index)."""
+    cdf = weights.double().cumsum(dim=-1)
+    target = uniform.double().unsqueeze(1) * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return index.clamp_(max=weights.shape[1] - 1)
+
+
+def _uniform(params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
+    """One U[0, 1) number per row; a seeded row's comes from its own (seed, position) stream."""
+    uniform = torch.rand(len(params), dtype=torch.float64)
     for i, p in enumerate(params):
-        if p.seed is not None and not p.is_greedy:
+        if p.seed is not None:
             generator = torch.Generator().manual_seed((p.seed * _GOLDEN + positions[i]) & _MASK_63)
-            noise[i].exponential_(generator=generator)
-    return noise
+            uniform[i] = torch.rand((), dtype=torch.float64, generator=generator)
+    return uniform
