@@ -5,13 +5,15 @@ writes the new keys/values in place at the slots the scheduler chose (block 0 is
 positions whose KV must not be stored). The compute op reads each row's context through its block
 table, as planned once per step by ``plan_attention``:
 
-- *shared* blocks: the leading blocks that every row's table has in common and that lie wholly
-  before every query. They are gathered once per layer for the whole batch (not once per row)
-  and need no mask. Decode batches of requests with a common prompt prefix (system prompts, the
-  same document) mostly attend over shared blocks.
-- *own* blocks: the rest of each row's table, padded with block 0 to the longest row, attended
-  with a mask built from the query positions, so causal masking is always aligned to the end of
-  the context.
+- rows whose tables start with the same block form a group (the rows that share their first
+  block with no other row form one more group);
+- *shared* blocks: the leading blocks that every row of a group has in common and that lie
+  wholly before every query. They are gathered once per layer for the whole group (not once per
+  row) and need no mask. Decode batches of requests with a common prompt prefix (system
+  prompts, the same document) mostly attend over shared blocks;
+- *own* blocks: the rest of each row's table, padded with block 0 to the longest row of the
+  group, attended with a mask built from the query positions, so causal masking is always
+  aligned to the end of the context.
 
 Attention is computed with grouped queries (the query heads of one KV head are folded into the
 query rows), so K/V are never repeated per query head. Nothing is copied but the context being
@@ -35,15 +37,17 @@ ATTN_NAME = "spyre_server_paged"
 
 
 @dataclass(slots=True)
-class AttentionPlan:
-    """How one step's queries read the KV cache; built once per step, used by every layer.
+class RowGroup:
+    """Rows of a step whose context is read together (see ``plan_attention``).
 
-    ``shared_blocks``: ``[num_shared_blocks]`` block ids every query of every row attends fully;
-    ``own_blocks``: ``[batch * num_own_blocks]`` the rest of each row's table, row-major, padded
-    with block 0; ``own_bias``: ``[batch, num_queries, num_own_blocks * block_size]``, 0 where a
-    query may attend the own key and -inf elsewhere (later positions, padding).
+    ``rows``: ``[n]`` the group's row indices in the batch (``None``: every row, in order);
+    ``shared_blocks``: ``[num_shared_blocks]`` block ids every query of the group attends fully;
+    ``own_blocks``: ``[n * num_own_blocks]`` the rest of each row's table, row-major, padded with
+    block 0; ``own_bias``: ``[n, num_queries, num_own_blocks * block_size]``, 0 where a query may
+    attend the own key and -inf elsewhere (later positions, padding).
     """
 
+    rows: torch.Tensor | None
     shared_blocks: torch.Tensor
     own_blocks: torch.Tensor
     own_bias: torch.Tensor
@@ -52,7 +56,7 @@ class AttentionPlan:
 
     def grouped_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         """``own_bias`` with each query repeated for the ``group`` query heads that share one KV
-        head: ``[batch, 1, num_queries * group, own_len]`` (rows ordered query-major)."""
+        head: ``[n, 1, num_queries * group, own_len]`` (rows ordered query-major)."""
         key = (group, dtype)
         if key not in self._grouped_bias:
             batch, num_queries, own_len = self.own_bias.shape
@@ -65,12 +69,49 @@ class AttentionPlan:
         return self._grouped_bias[key]
 
 
+@dataclass(slots=True)
+class AttentionPlan:
+    """How one step's queries read the KV cache; built once per step, used by every layer."""
+
+    groups: list[RowGroup]
+
+
 def plan_attention(
     block_tables: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], block_size: int
 ) -> AttentionPlan:
     """Plan a step whose row ``r`` has queries at ``positions[r]`` (ascending, same count in every
     row) over the context ``block_tables[r]`` (at least up to its last query's block). The query
-    at position p attends the keys at positions 0..p of its own row."""
+    at position p attends the keys at positions 0..p of its own row.
+
+    Rows whose tables start with the same block form a group that reads its common prefix once;
+    the rows that share their first block with no other row form one more group. A batch whose
+    rows all start alike is one group."""
+    first_blocks: dict[int, list[int]] = {}
+    for row, (table, queries) in enumerate(zip(block_tables, positions, strict=True)):
+        key = table[0] if queries[0] >= block_size else -1 - row  # -1 - row: nothing to share
+        first_blocks.setdefault(key, []).append(row)
+    if len(first_blocks) == 1:
+        return AttentionPlan([_plan_group(None, block_tables, positions, block_size)])
+    groups = [rows for rows in first_blocks.values() if len(rows) > 1]
+    alone = [rows[0] for rows in first_blocks.values() if len(rows) == 1]
+    if alone:
+        groups.append(alone)
+    return AttentionPlan(
+        [
+            _plan_group(
+                rows, [block_tables[r] for r in rows], [positions[r] for r in rows], block_size
+            )
+            for rows in groups
+        ]
+    )
+
+
+def _plan_group(
+    rows: list[int] | None,
+    block_tables: Sequence[Sequence[int]],
+    positions: Sequence[Sequence[int]],
+    block_size: int,
+) -> RowGroup:
     first_query_blocks = min(row[0] for row in positions) // block_size
     num_shared = 0
     reference = block_tables[0]
@@ -89,7 +130,8 @@ def plan_attention(
     )
     visible = key_positions.view(1, 1, -1) <= torch.tensor(positions).unsqueeze(-1)
     bias = torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)
-    return AttentionPlan(
+    return RowGroup(
+        rows=None if rows is None else torch.tensor(rows, dtype=torch.long),
         shared_blocks=torch.tensor(reference[:num_shared], dtype=torch.long),
         own_blocks=torch.tensor(own, dtype=torch.long),
         own_bias=bias,
@@ -138,44 +180,66 @@ def _compute(
     """``query``: ``[batch, num_queries, nheads, head_dim]`` -> the same shape."""
     plan: AttentionPlan = kwargs["plan"]
     batch, num_queries, _, head_dim = query.shape
-    block_size = key_cache.shape[1]
     group = nheads // kvheads
-    rows = num_queries * group
     # [batch, kvheads, num_queries * group, head_dim]: the query heads of one KV head as rows.
     q = query.view(batch, num_queries, kvheads, group, head_dim).transpose(1, 2)
-    q = q.reshape(batch, kvheads, rows, head_dim)
+    q = q.reshape(batch, kvheads, num_queries * group, head_dim)
+    if len(plan.groups) == 1 and plan.groups[0].rows is None:
+        out = _attend(q, key_cache, value_cache, plan.groups[0], group, scale_factor)
+    else:
+        out = torch.empty_like(q)
+        for row_group in plan.groups:
+            rows = row_group.rows
+            assert rows is not None
+            q_rows = q.index_select(0, rows)
+            attended = _attend(q_rows, key_cache, value_cache, row_group, group, scale_factor)
+            out.index_copy_(0, rows, attended)
+    # [batch, kvheads, num_queries, group, head_dim] -> [batch, num_queries, nheads, head_dim]
+    out = out.view(batch, kvheads, num_queries, group, head_dim).transpose(1, 2)
+    return out.reshape(batch, num_queries, nheads, head_dim)
 
-    own_len = plan.num_own_blocks * block_size
-    own_keys = key_cache.index_select(0, plan.own_blocks).view(batch, own_len, kvheads, head_dim)
-    own_values = value_cache.index_select(0, plan.own_blocks)
+
+def _attend(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows: RowGroup,
+    group: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of one row group: ``q`` ``[n, kvheads, num_rows, head_dim]`` -> the same."""
+    batch, kvheads, num_rows, head_dim = q.shape
+    block_size = key_cache.shape[1]
+    own_len = rows.num_own_blocks * block_size
+    own_keys = key_cache.index_select(0, rows.own_blocks).view(batch, own_len, kvheads, head_dim)
+    own_values = value_cache.index_select(0, rows.own_blocks)
     own_values = own_values.view(batch, own_len, kvheads, head_dim)
     out, lse = _flash_attention(
         q,
         own_keys.transpose(1, 2),
         own_values.transpose(1, 2),
-        attn_mask=plan.grouped_bias(group, q.dtype),
-        scale=scale_factor,
+        attn_mask=rows.grouped_bias(group, q.dtype),
+        scale=scale,
     )
-    if plan.shared_blocks.numel() > 0:
-        # Every row of the batch against the shared keys at once, then the two softmax parts
-        # merged exactly through their log-sum-exps.
-        shared_len = plan.shared_blocks.numel() * block_size
-        shared_keys = key_cache.index_select(0, plan.shared_blocks)
-        shared_values = value_cache.index_select(0, plan.shared_blocks)
-        shared_out, shared_lse = _flash_attention(
-            q.transpose(0, 1).reshape(1, kvheads, batch * rows, head_dim),
-            shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
-            shared_values.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
-            scale=scale_factor,
-        )
-        shared_out = shared_out.view(kvheads, batch, rows, head_dim).transpose(0, 1)
-        shared_lse = shared_lse.view(kvheads, batch, rows).transpose(0, 1)
-        total_lse = torch.logaddexp(lse, shared_lse)
-        out = out * (lse - total_lse).exp_().unsqueeze(-1)
-        out += shared_out * (shared_lse - total_lse).exp_().unsqueeze(-1)
-    # [batch, kvheads, num_queries, group, head_dim] -> [batch, num_queries, nheads, head_dim]
-    out = out.view(batch, kvheads, num_queries, group, head_dim).transpose(1, 2)
-    return out.reshape(batch, num_queries, nheads, head_dim)
+    if rows.shared_blocks.numel() == 0:
+        return out
+    # Every row of the group against the shared keys at once, then the two softmax parts merged
+    # exactly through their log-sum-exps.
+    shared_len = rows.shared_blocks.numel() * block_size
+    shared_keys = key_cache.index_select(0, rows.shared_blocks)
+    shared_values = value_cache.index_select(0, rows.shared_blocks)
+    shared_out, shared_lse = _flash_attention(
+        q.transpose(0, 1).reshape(1, kvheads, batch * num_rows, head_dim),
+        shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+        shared_values.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+        scale=scale,
+    )
+    shared_out = shared_out.view(kvheads, batch, num_rows, head_dim).transpose(0, 1)
+    shared_lse = shared_lse.view(kvheads, batch, num_rows).transpose(0, 1)
+    total_lse = torch.logaddexp(lse, shared_lse)
+    out = out * (lse - total_lse).exp_().unsqueeze(-1)
+    out += shared_out * (shared_lse - total_lse).exp_().unsqueeze(-1)
+    return out
 
 
 _flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

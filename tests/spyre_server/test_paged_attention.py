@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spyre_server import paged_attention
-from spyre_server.paged_attention import AttentionPlan, plan_attention
+from spyre_server.paged_attention import AttentionPlan, RowGroup, plan_attention
 from tests.spyre_server.test_model_correctness import (
     BS,
     LOGIT_TOL,
@@ -23,15 +23,24 @@ from tests.spyre_server.test_model_correctness import (
 INF = math.inf
 
 
-def visible(plan: AttentionPlan) -> list[list[list[bool]]]:
-    return (plan.own_bias == 0).tolist()  # type: ignore[no-any-return]
+def visible(group: RowGroup) -> list[list[list[bool]]]:
+    return (group.own_bias == 0).tolist()  # type: ignore[no-any-return]
+
+
+def one_group(
+    tables: list[list[int]], positions: list[list[int]], block_size: int = BS
+) -> RowGroup:
+    """The plan of a step whose rows all start alike: one group of every row, in order."""
+    plan = plan_attention(tables, positions, block_size)
+    assert len(plan.groups) == 1 and plan.groups[0].rows is None
+    return plan.groups[0]
 
 
 # ================================================================================ the plan
 def test_decode_rows_with_a_common_prefix_share_it() -> None:
     tables = [[5, 6, 7, 9], [5, 6, 7, 10, 11], [5, 6, 7, 12]]
     positions = [[200], [300], [192]]
-    plan = plan_attention(tables, positions, BS)
+    plan = one_group(tables, positions)
     assert plan.shared_blocks.tolist() == [5, 6, 7]
     assert plan.num_own_blocks == 2
     assert plan.own_blocks.tolist() == [9, 0, 10, 11, 12, 0]
@@ -41,7 +50,7 @@ def test_decode_rows_with_a_common_prefix_share_it() -> None:
 
 
 def test_sharing_stops_at_the_first_differing_block() -> None:
-    plan = plan_attention([[1, 2, 3, 4], [1, 8, 3, 4]], [[255], [255]], BS)
+    plan = one_group([[1, 2, 3, 4], [1, 8, 3, 4]], [[255], [255]])
     assert plan.shared_blocks.tolist() == [1]
     assert plan.own_blocks.tolist() == [2, 3, 4, 8, 3, 4]
 
@@ -50,7 +59,7 @@ def test_the_block_holding_a_query_is_never_shared() -> None:
     """Both rows decode into the same block (a prefix-cache hit being recomputed is written to
     block 0, but the table still names the cached block): a shared block is read without a
     mask, so it must lie wholly before every query."""
-    plan = plan_attention([[1, 2, 3], [1, 2, 3]], [[130], [140]], BS)
+    plan = one_group([[1, 2, 3], [1, 2, 3]], [[130], [140]])
     assert plan.shared_blocks.tolist() == [1, 2]
     assert plan.own_blocks.tolist() == [3, 3]
     assert visible(plan) == [
@@ -60,22 +69,57 @@ def test_the_block_holding_a_query_is_never_shared() -> None:
 
 
 def test_the_shortest_row_caps_the_shared_part() -> None:
-    plan = plan_attention([[1, 2, 3, 4], [1, 2]], [[250], [70]], BS)
+    plan = one_group([[1, 2, 3, 4], [1, 2]], [[250], [70]])
     assert plan.shared_blocks.tolist() == [1]
     assert plan.own_blocks.tolist() == [2, 3, 4, 2, 0, 0]
 
 
-def test_no_common_prefix() -> None:
+def test_rows_that_share_nothing_form_one_unshared_group() -> None:
     plan = plan_attention([[1, 2], [3, 4], [5]], [[100], [127], [10]], BS)
-    assert plan.shared_blocks.tolist() == []
-    assert plan.own_blocks.tolist() == [1, 2, 3, 4, 5, 0]
+    assert len(plan.groups) == 1
+    (group,) = plan.groups
+    assert group.rows is not None and group.rows.tolist() == [0, 1, 2]
+    assert group.shared_blocks.tolist() == []
+    assert group.own_blocks.tolist() == [1, 2, 3, 4, 5, 0]
+
+
+def test_rows_are_grouped_by_their_first_block() -> None:
+    """Two prompt families (blocks 1.. and 5..) and a loner: each family reads its own prefix
+    once and pads only to its own longest row; the loner is a group of its own."""
+    tables = [[1, 2, 3, 10], [5, 6, 11], [1, 2, 3, 12, 13], [9, 14, 15, 16, 17, 18], [5, 6, 19]]
+    positions = [[200], [150], [300], [330], [140]]
+    plan = plan_attention(tables, positions, BS)
+    summary = [
+        (
+            g.rows.tolist() if g.rows is not None else None,
+            g.shared_blocks.tolist(),
+            g.own_blocks.tolist(),
+        )
+        for g in plan.groups
+    ]
+    assert summary == [
+        ([0, 2], [1, 2, 3], [10, 0, 12, 13]),
+        ([1, 4], [5, 6], [11, 19]),
+        ([3], [9, 14, 15, 16, 17], [18]),  # alone: its whole past needs no mask
+    ]
+
+
+def test_a_row_with_no_full_block_before_its_query_shares_nothing() -> None:
+    """Row 1 decodes at position 10: its first block holds its query, so even though it starts
+    with the same block id as row 0 (a recomputed hit), it cannot read it unmasked."""
+    plan = plan_attention([[1, 2, 3], [1], [1, 2, 4]], [[150], [10], [160]], BS)
+    summary = [
+        (g.rows.tolist() if g.rows is not None else None, g.shared_blocks.tolist())
+        for g in plan.groups
+    ]
+    assert summary == [([0, 2], [1, 2]), ([1], [])]
 
 
 def test_prefill_chunk_shares_its_whole_past_and_masks_its_own_blocks() -> None:
     """A chunk of queries at positions 256..383: the four blocks before it need no mask; its own
     two blocks are causal."""
     table = [11, 12, 13, 14, 15, 16, 17]
-    plan = plan_attention([table], [list(range(256, 384))], BS)
+    plan = one_group([table], [list(range(256, 384))])
     assert plan.shared_blocks.tolist() == [11, 12, 13, 14]
     assert plan.own_blocks.tolist() == [15, 16]
     bias = plan.own_bias[0]
@@ -87,13 +131,13 @@ def test_prefill_chunk_shares_its_whole_past_and_masks_its_own_blocks() -> None:
 def test_prefill_starting_mid_table_after_skipped_hits() -> None:
     """Queries start at 192 (positions 128..191 were recomputed hits written to block 0, so the
     runner skipped them): blocks 0..2 are shared, the chunk's last block is own."""
-    plan = plan_attention([[4, 5, 6, 7]], [list(range(192, 256))], BS)
+    plan = one_group([[4, 5, 6, 7]], [list(range(192, 256))])
     assert plan.shared_blocks.tolist() == [4, 5, 6]
     assert plan.own_blocks.tolist() == [7]
 
 
 def test_grouped_bias_repeats_each_query_for_its_heads() -> None:
-    plan = plan_attention([[1, 2]], [[64, 65]], BS)
+    plan = one_group([[1, 2]], [[64, 65]])
     grouped = plan.grouped_bias(3, torch.float32)
     assert grouped.shape == (1, 1, 6, 64)
     for row in range(6):
@@ -130,6 +174,10 @@ def naive_attention(
     [
         ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[250], [200], [130]]),  # shared + own
         ([[1, 2], [3, 4, 5], [6]], [[100], [150], [0]]),  # nothing shared
+        (  # two families and a loner
+            [[1, 2, 3, 4], [5, 6, 7], [1, 2, 8], [9, 10], [5, 6, 11]],
+            [[250], [190], [140], [100], [150]],
+        ),
         ([[7, 8, 9]], [list(range(130, 160))]),  # prefill: 2 shared blocks, causal own block
         ([[7, 8, 9]], [list(range(0, 40))]),  # prefill of the first block
     ],
@@ -152,21 +200,21 @@ def test_op_equals_naive_attention(tables: list[list[int]], positions: list[list
 def test_decode_batch_sharing_a_prompt_prefix_equals_full_forwards(
     tiny_llama: torch.nn.Module, one_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Five requests whose prompts share 256 tokens (four blocks) and differ after it, with
-    different lengths: every decode step's logits equal a full forward of that row's tokens,
-    and the steps really read the common blocks through the shared path."""
+    """Five requests in two families (prompts sharing 256 tokens, four blocks, within a family)
+    with different lengths: every decode step's logits equal a full forward of that row's
+    tokens, and the steps really read the common blocks through the shared path."""
     shared_counts: list[int] = []
 
     def spy(*args: object, **kwargs: object) -> AttentionPlan:
         plan = plan_attention(*args, **kwargs)  # type: ignore[arg-type]
-        shared_counts.append(plan.shared_blocks.numel())
+        shared_counts.append(min(g.shared_blocks.numel() for g in plan.groups))
         return plan
 
     monkeypatch.setattr("spyre_server.model_runner.plan_attention", spy)
-    prefix = rand_tokens(256, seed=500)
+    prefixes = [rand_tokens(256, seed=500), rand_tokens(256, seed=501)]
     h = Harness(tiny_llama, chunk_size=128, max_num_seqs=5)
     for i, suffix_len in enumerate((1, 30, 64, 100, 150)):
-        h.add(f"r{i}", prefix + rand_tokens(suffix_len, seed=600 + i), 12)
+        h.add(f"r{i}", prefixes[i % 2] + rand_tokens(suffix_len, seed=600 + i), 12)
     h.run()
     assert max(h.decode_batch_sizes()) == 5
     assert max(shared_counts) >= 4
