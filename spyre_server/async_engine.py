@@ -64,10 +64,15 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="spyre-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self) -> None:
-        """Abort what is left and stop the step thread."""
+    def stop(self) -> None:
+        """Ask the step thread to stop after its current step; it then ends every request still
+        known with an error ("the server is shutting down"). Callable from any thread."""
         self._stopping = True
         self._wakeup.set()
+
+    async def shutdown(self) -> None:
+        """Abort what is left and stop the step thread."""
+        self.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 

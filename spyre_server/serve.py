@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,6 +31,9 @@ from spyre_server.loading import (
 logger = logging.getLogger("spyre_server")
 
 GRACEFUL_SHUTDOWN_SECONDS = 30
+DEADLINE_MARGIN_SECONDS = 2.0
+"""In-flight requests are ended this long before the drain deadline (a quarter of the drain at
+most), leaving time for the current engine step to finish and the answers to go out."""
 
 
 def load(config: Config) -> LoadedModel:
@@ -73,10 +79,34 @@ def serve(config: Config) -> None:
     # uvicorn drains in-flight requests on SIGTERM, restores the previous handler and raises
     # the signal again: make that previous handler a no-op so a graceful stop exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(
+    engine: AsyncEngine = app.state.server.engine
+    uvicorn_config = uvicorn.Config(
         app,
         host=config.server.host,
         port=config.server.port,
         log_level=config.server.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
+    DrainingServer(uvicorn_config, on_deadline=engine.stop).run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, plus: shortly before the graceful-shutdown deadline, ``on_deadline``
+    ends every request still in flight through the engine, so that each client gets a proper
+    answer (an error envelope, or an SSE error event and ``[DONE]``) before uvicorn cancels the
+    request tasks (a bare text 500, a cut stream)."""
+
+    def __init__(self, config: uvicorn.Config, on_deadline: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_deadline = on_deadline
+        self._deadline_timer: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._deadline_timer is None and self.config.timeout_graceful_shutdown is not None:
+            drain = self.config.timeout_graceful_shutdown
+            self._deadline_timer = threading.Timer(
+                max(0.0, drain - min(DEADLINE_MARGIN_SECONDS, drain / 4)), self._on_deadline
+            )
+            self._deadline_timer.daemon = True
+            self._deadline_timer.start()
+        super().handle_exit(sig, frame)

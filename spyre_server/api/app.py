@@ -20,6 +20,7 @@ from spyre_server.api.errors import (
     api_error_handler,
     error_body,
     http_error_handler,
+    internal_error_handler,
     validation_error_handler,
 )
 from spyre_server.api.generation import GenerationLimits
@@ -57,6 +58,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
     # The last added runs first: request id, then the body limit, then auth.
     open_paths = {"/health"} | (set() if state.config.server.metrics_require_auth else {"/metrics"})
     app.add_middleware(Auth, keys=state.api_keys, open_paths=frozenset(open_paths))

@@ -246,7 +246,16 @@ async def _start(
     params: list[SamplingParams],
     api_key: str | None,
 ) -> Generation:
-    if state.engine.num_waiting >= state.limits.max_waiting:
+    num_sequences = len(prompts) * body.n
+    max_waiting = state.limits.max_waiting
+    if num_sequences > max_waiting:
+        raise APIError(
+            400,
+            f"this request asks for {num_sequences} sequences (prompts x n), more than the "
+            f"{max_waiting} the server queues at once",
+            param="prompt" if len(prompts) > 1 else "n",
+        )
+    if state.engine.num_waiting + num_sequences > max_waiting:
         raise APIError(429, "the server is busy: too many requests are waiting", code="queue_full")
     salt = body.cache_salt
     if api_key is not None and state.config.server.isolate_cache_per_api_key:

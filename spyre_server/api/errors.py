@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -90,3 +93,12 @@ def _param(loc: tuple[Any, ...] | list[Any]) -> str | None:
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+
+async def internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """Anything no other handler caught: a bug. Logged with its traceback; the client still gets
+    the envelope, never a bare text 500."""
+    logger.error("unhandled error", exc_info=exc)
+    return JSONResponse(
+        error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500
+    )

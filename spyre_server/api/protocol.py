@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 16
 
 NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def _encodable(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+"""A string that can be encoded as UTF-8 (JSON's \\ud800 escapes can produce one that cannot)."""
 
 
 class StreamOptions(BaseModel):
@@ -19,20 +31,20 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[NonNegInt] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    user: Text | None = None
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -50,7 +62,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+    prompt: Text | list[Text] | list[NonNegInt] | list[list[NonNegInt]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -70,14 +82,14 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     @property
     def text(self) -> str:

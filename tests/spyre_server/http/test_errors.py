@@ -426,3 +426,180 @@ def test_max_waiting_one_serves_an_idle_server(make_server: MakeServer) -> None:
     server = make_server(scheduler__max_waiting=1)
     response = server.http().post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1})
     assert response.status_code == 200, response.text
+
+
+# ------------------------------------------------------------------- hostile input (issue 7)
+def assert_still_serves(server: Server) -> None:
+    """A follow-up request on a fresh connection succeeds."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        ok = client.post(COMPLETIONS, json={"prompt": "still here", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+def post_raw(server: Server, path: str, content: bytes) -> httpx.Response:
+    # A fresh connection: a failing request must not hide behind a broken keep-alive one.
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        return client.post(path, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    ("path", "content"),
+    [
+        (COMPLETIONS, b'{"prompt": "\xff\xfe", "max_tokens": 1}'),
+        (COMPLETIONS, b'{"prompt": "ok", "max_tokens": 1, "stop": ["\xc3"]}'),
+        (COMPLETIONS, b'{"prompt": "ok", "max_tokens": 1, "cache_salt": "\x80"}'),
+        (COMPLETIONS, b'\xff{"prompt": "ok"}'),
+        (CHAT, b'{"messages": [{"role": "user", "content": "\xc3\x28"}], "max_tokens": 1}'),
+        (CHAT, b'{"messages": [{"role": "us\xe9r", "content": "x"}], "max_tokens": 1}'),
+    ],
+)
+def test_invalid_utf8_in_the_body_is_400(server: Server, path: str, content: bytes) -> None:
+    error = assert_envelope(post_raw(server, path, content), 400)
+    assert "body" in error["message"] or "UTF-8" in error["message"], error
+    assert_still_serves(server)
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "param"),
+    [
+        (COMPLETIONS, b'{"prompt": "\\ud800", "max_tokens": 1}', "prompt"),
+        (COMPLETIONS, b'{"prompt": ["ok", "a\\udfffb"], "max_tokens": 1}', "prompt"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800x"}]}', "messages"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', "messages"),
+        (
+            CHAT,
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+            "messages",
+        ),
+    ],
+)
+def test_lone_surrogates_in_prompt_text_are_400(
+    server: Server, path: str, content: bytes, param: str
+) -> None:
+    response = post_raw(server, path, content)
+    try:
+        assert_envelope(response, 400, param=param)
+    finally:
+        assert_still_serves(server)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_too_many_stop_strings_or_stop_token_ids_are_400(server: Server, path: str) -> None:
+    base: dict[str, Any] = {"prompt": "x"} if path == COMPLETIONS else {"messages": MESSAGES}
+    for field, value in (
+        ("stop", ["s"] * 17),
+        ("stop", [f"stop-{i}" for i in range(1000)]),
+        ("stop_token_ids", [1] * 65),
+        ("stop_token_ids", list(range(100_000))),
+    ):
+        error = assert_envelope(post(server, path, base | {field: value}), 400, param=field)
+        assert field in error["message"]
+    # at the limits: served
+    for field, value in (("stop", [f"s{i}" for i in range(16)]), ("stop_token_ids", [1] * 64)):
+        ok = post(server, path, base | {field: value, "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+    assert_still_serves(server)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("max_tokens", 10**12, "max_tokens"),
+        ("max_tokens", 2**80, "max_tokens"),
+        ("max_tokens", -1, "max_tokens"),
+        # over the context, it is reported as max_tokens (the sampling limit both fields set)
+        ("max_completion_tokens", 10**12, "max_tokens"),
+        ("max_completion_tokens", -1, "max_completion_tokens"),
+        ("n", 17, "n"),
+        ("n", 10**12, "n"),
+        ("n", -1, "n"),
+        ("top_logprobs", -1, "top_logprobs"),
+        ("top_logprobs", 10**12, "top_logprobs"),
+        ("logprobs", 5, "logprobs"),
+        ("temperature", 10**12, "temperature"),
+    ],
+)
+def test_absurd_chat_values_name_the_field(
+    server: Server, field: str, value: Any, param: str
+) -> None:
+    body = {"messages": MESSAGES, "logprobs": True, field: value}
+    error = assert_envelope(post(server, CHAT, body), 400, param=param)
+    assert param in error["message"]
+    assert_still_serves(server)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 17),
+        ("n", 2**80),
+        ("logprobs", 2**80),
+        ("max_tokens", 2**1000),
+        ("top_k", -(2**80)),
+        ("seed", -(2**80)),
+    ],
+)
+def test_absurd_completion_values_name_the_field(server: Server, field: str, value: Any) -> None:
+    assert_envelope(post(server, COMPLETIONS, {"prompt": "x", field: value}), 400, param=field)
+    assert_still_serves(server)
+
+
+@pytest.mark.parametrize("literal", [b"Infinity", b"-Infinity", b"1e400", b"NaN"])
+@pytest.mark.parametrize("field", ["max_tokens", "n", "logprobs"])
+def test_non_finite_numbers_are_400(server: Server, field: str, literal: bytes) -> None:
+    content = b'{"prompt": "x", "' + field.encode() + b'": ' + literal + b"}"
+    assert_envelope(post_raw(server, COMPLETIONS, content), 400, param=field)
+    assert_still_serves(server)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [1] * 1_000_000,  # ~3 MB of ids, within the body limit
+        [[1] * 400_000, [2] * 400_000],
+        [256] * 1_000_000,  # out of the vocabulary as well
+    ],
+    ids=["1M-ids", "2x400k-ids", "1M-out-of-vocab"],
+)
+def test_huge_prompt_token_id_lists_are_refused_quickly(server: Server, prompt: Any) -> None:
+    """Rejected with a 4xx naming ``prompt`` (too long, outside the vocabulary) within a few
+    seconds; no engine work is started."""
+    import time
+
+    before = server.metrics()
+    started = time.monotonic()
+    response = server.http().post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 1})
+    elapsed = time.monotonic() - started
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    error = assert_envelope(response, response.status_code, param="prompt")
+    assert error["message"]
+    assert elapsed < 15, f"took {elapsed:.1f} s"
+    after = server.metrics()
+    assert after.value("vllm:prompt_tokens_total") == before.value("vllm:prompt_tokens_total")
+    assert_still_serves(server)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [[1]] * 12, "max_tokens": 1},
+        {"prompt": ["a", "b", "c"], "n": 4, "max_tokens": 1},
+    ],
+    ids=["12-prompts", "3-prompts-x-n4"],
+)
+def test_one_request_cannot_queue_more_than_max_waiting(
+    make_server: MakeServer, body: dict[str, Any]
+) -> None:
+    server = make_server(scheduler__max_waiting=4)
+    response = post(server, COMPLETIONS, body)
+    try:
+        assert response.status_code in (400, 429), response.text[:300]
+        if response.status_code == 400:
+            param = response.json()["error"]["param"]
+            assert param in ("prompt", "n"), response.text
+            assert_envelope(response, 400, param=param)
+        else:
+            assert_envelope(response, 429, "rate_limit_error", code="queue_full")
+    finally:
+        assert_still_serves(server)
