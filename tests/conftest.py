@@ -70,3 +70,18 @@ def smollm2_fp32(smollm2_path: Path) -> object:
     from spyre_server.loading import load_model
 
     return load_model(smollm2_path, torch.float32)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak-full",
+        action="store_true",
+        default=False,
+        help="run the full soak on SmolLM2 (tests/soak: 300 requests at concurrency 32)",
+    )
+
+
+@pytest.fixture(scope="session")
+def soak_full(request: pytest.FixtureRequest) -> bool:
+    """Whether ``--soak-full`` was given (tests/soak)."""
+    return bool(request.config.getoption("--soak-full"))
