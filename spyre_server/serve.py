@@ -30,7 +30,6 @@ from spyre_server.loading import (
 
 logger = logging.getLogger("spyre_server")
 
-GRACEFUL_SHUTDOWN_SECONDS = 30
 DEADLINE_MARGIN_SECONDS = 2.0
 """In-flight requests are ended this long before the drain deadline (a quarter of the drain at
 most), leaving time for the current engine step to finish and the answers to go out."""
@@ -85,7 +84,7 @@ def serve(config: Config) -> None:
         host=config.server.host,
         port=config.server.port,
         log_level=config.server.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_graceful_shutdown=config.server.graceful_shutdown_seconds,
     )
     DrainingServer(uvicorn_config, on_deadline=engine.stop).run()
 
