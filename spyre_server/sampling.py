@@ -123,7 +123,7 @@ def _sample_random(
         return _inverse_cdf(torch.softmax(scaled, dim=-1), uniform)
     token_ids = torch.empty(len(params), dtype=torch.long)
     if len(restricted) < len(params):
-        free = [i for i in range(len(params)) if i not in set(restricted)]
+        free = sorted(set(range(len(params))) - set(restricted))
         token_ids[free] = _inverse_cdf(torch.softmax(scaled[free], dim=-1), uniform[free])
     weights, candidate_ids = _top_k_top_p(scaled[restricted], [params[i] for i in restricted])
     chosen = _inverse_cdf(weights, uniform[restricted])
