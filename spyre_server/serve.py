@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from spyre_server.api.app import ServerState, create_app
-from spyre_server.api.auth import APIKeys
+from spyre_server.api.auth import APIKeys, salt_secret
 from spyre_server.api.generation import GenerationLimits
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.async_engine import AsyncEngine
@@ -56,7 +56,7 @@ def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = No
             max_waiting=config.scheduler.max_waiting,
         ),
         metrics=ServerMetrics(model_name, engine.scheduler.make_stats),
-        api_keys=APIKeys(config.server.api_keys),
+        api_keys=APIKeys(config.server.api_keys, salt_secret(config.cache.hash_seed)),
         created=int(time.time()),
     )
     return create_app(state)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from spyre_server.api.auth import tenant_salt
 from spyre_server.api.errors import APIError, sse_error
 from spyre_server.api.generation import (
     Choice,
@@ -259,7 +258,7 @@ async def _start(
         raise APIError(429, "the server is busy: too many requests are waiting", code="queue_full")
     salt = body.cache_salt
     if api_key is not None and state.config.server.isolate_cache_per_api_key:
-        salt = f"{tenant_salt(api_key)}:{salt or ''}"
+        salt = f"{state.api_keys.tenant_salt(api_key)}:{salt or ''}"
     generation = Generation(
         state.engine,
         state.metrics,

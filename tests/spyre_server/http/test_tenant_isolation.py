@@ -392,9 +392,8 @@ KEY_B = "sk-bravo-77a2b4c8-SECRET"
 def test_isolated_api_keys_never_share_blocks_and_salts_are_hmacs(
     make_server: MakeServer, monkeypatch: pytest.MonkeyPatch, http_micro_model: Any
 ) -> None:
-    from spyre_server.api.auth import tenant_salt
-
     server = make_server(server__api_keys=[KEY_A, KEY_B], server__isolate_cache_per_api_key=True)
+    tenant_salt = server.state.api_keys.tenant_salt
     scheduler = server.engine.scheduler
     events: list[KVCacheEvent] = []
     scheduler.pool.subscribe(events.append)  # the engine is idle: no step runs concurrently
@@ -524,3 +523,18 @@ def test_api_keys_are_compared_in_constant_time_against_every_key(
                 group = calls[i : i + len(keys)]
                 assert sorted(b for _, b in group) == configured, group
                 assert {a for a, _ in group} == {token}, group
+
+
+def test_per_key_salts_are_keyed_by_a_deployment_secret() -> None:
+    """Without cache.hash_seed the HMAC key is random per process (like the hash root), so a salt
+    seen in KV events cannot be checked against guessed API keys; with a seed, replicas that
+    share hashes derive the same salts, and another seed gives other salts."""
+    from spyre_server.api.auth import APIKeys, salt_secret
+
+    def salt(secret: bytes) -> str:
+        return APIKeys([KEY_A], secret).tenant_salt(KEY_A)
+
+    assert salt(salt_secret(None)) != salt(salt_secret(None))
+    assert salt(salt_secret(7)) == salt(salt_secret(7)) == salt(salt_secret("7"))
+    assert salt(salt_secret(7)) != salt(salt_secret(8))
+    assert len(salt_secret(None)) == len(salt_secret("replica-seed")) == 32
