@@ -84,18 +84,18 @@ def plan_attention(
     at position p attends the keys at positions 0..p of its own row.
 
     Rows whose tables start with the same block form a group that reads its common prefix once;
-    the rows that share their first block with no other row form one more group. A batch whose
-    rows all start alike is one group."""
+    the rows that share their first block with no other row form one more group. A single group
+    (rows that all start alike, or that share nothing) has ``rows`` None: every row, in order."""
     first_blocks: dict[int, list[int]] = {}
     for row, (table, queries) in enumerate(zip(block_tables, positions, strict=True)):
         key = table[0] if queries[0] >= block_size else -1 - row  # -1 - row: nothing to share
         first_blocks.setdefault(key, []).append(row)
-    if len(first_blocks) == 1:
-        return AttentionPlan([_plan_group(None, block_tables, positions, block_size)])
     groups = [rows for rows in first_blocks.values() if len(rows) > 1]
     alone = [rows[0] for rows in first_blocks.values() if len(rows) == 1]
     if alone:
         groups.append(alone)
+    if len(groups) == 1:  # every row, in order: no gathering of rows in the op
+        return AttentionPlan([_plan_group(None, block_tables, positions, block_size)])
     return AttentionPlan(
         [
             _plan_group(

@@ -75,10 +75,7 @@ def test_the_shortest_row_caps_the_shared_part() -> None:
 
 
 def test_rows_that_share_nothing_form_one_unshared_group() -> None:
-    plan = plan_attention([[1, 2], [3, 4], [5]], [[100], [127], [10]], BS)
-    assert len(plan.groups) == 1
-    (group,) = plan.groups
-    assert group.rows is not None and group.rows.tolist() == [0, 1, 2]
+    group = one_group([[1, 2], [3, 4], [5]], [[100], [127], [10]])
     assert group.shared_blocks.tolist() == []
     assert group.own_blocks.tolist() == [1, 2, 3, 4, 5, 0]
 

@@ -36,7 +36,7 @@ def random_logits(rows: int, vocab: int = 256, seed: int = 0) -> torch.Tensor:
 
 def draw(logits_row: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
     """``n`` draws of one row: a batch of ``n`` copies, each at its own position (seeded rows
-    get independent noise per position)."""
+    get independent randomness per position)."""
     batch = logits_row.reshape(1, -1).expand(n, -1)
     return sample(batch, [params] * n, list(range(n))).token_ids
 
@@ -170,7 +170,7 @@ def test_top_k_restricts_support_to_the_k_best(k: int) -> None:
     assert set(tokens) == allowed
 
 
-# Rule (sampling._apply_top_k_top_p): sort by probability, keep a token iff the probability mass
+# Rule (sampling._top_k_top_p): sort by probability, keep a token iff the probability mass
 # of the tokens ranked before it is < top_p (so the best token is always kept, and the kept set is
 # the smallest prefix whose mass reaches top_p). Probabilities 0.5, 0.3, 0.15, 0.05 have preceding
 # masses 0, 0.5, 0.8, 0.95.
