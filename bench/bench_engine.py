@@ -38,9 +38,9 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from spyre_server.loading import cpu_flags, load_model
-from spyre_server.model_runner import ModelRunner
-from spyre_server.model_store import default_cache_dir, prepare_default_model
+from spyre_server.model.loading import cpu_flags, load_model
+from spyre_server.model.runner import ModelRunner
+from spyre_server.model.store import default_cache_dir, prepare_default_model
 
 BS = 64
 THREADS = 2

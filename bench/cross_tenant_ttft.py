@@ -70,7 +70,7 @@ def start_server(args: argparse.Namespace) -> tuple[Any, threading.Thread, str, 
     import uvicorn
 
     from spyre_server.config import load_config
-    from spyre_server.model_store import default_cache_dir, prepare_default_model
+    from spyre_server.model.store import default_cache_dir, prepare_default_model
     from spyre_server.serve import build_app, load
 
     model = prepare_default_model(default_cache_dir())
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = parser.parse_args()
 
-    from spyre_server.loading import resolve_dtype
+    from spyre_server.model.loading import resolve_dtype
 
     server, thread, base, state = start_server(args)
     chunk = state.config.scheduler.chunk_size

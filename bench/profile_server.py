@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 import uvicorn
 
-import spyre_server.model_runner as model_runner
+import spyre_server.model.runner as model_runner
 from scheduler import DecodeBatch
 from spyre_server.config import load_config
 from spyre_server.serve import build_app, load

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spyre_server.benchmark.cli import add_parser as add_bench_parser
 from spyre_server.config import Config, ConfigError, load_config
-from spyre_server.model_store import ModelStoreError, default_cache_dir, prepare_default_model
+from spyre_server.model.store import ModelStoreError, default_cache_dir, prepare_default_model
 
 
 def _progress(message: str) -> None:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(config: Config) -> int:
     # Imported here: torch, fms and uvicorn take seconds to import.
-    from spyre_server.loading import ModelLoadError
+    from spyre_server.model.loading import ModelLoadError
     from spyre_server.serve import serve
 
     try:

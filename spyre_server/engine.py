@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from scheduler import FinishReason, ModelRunnerOutput, PrefillChunk, ScheduledStep, Scheduler
 from spyre_server.detokenizer import IncrementalDetokenizer, Tokenizer
-from spyre_server.model_runner import ModelRunner
+from spyre_server.model.runner import ModelRunner
 from spyre_server.sampling import SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)

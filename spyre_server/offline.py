@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from scheduler import FinishReason
 from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
-from spyre_server.loading import (
-    build_engine,
+from spyre_server.engine_factory import build_engine
+from spyre_server.model.loading import (
     configure_torch,
     load_model,
     resolve_dtype,

@@ -12,16 +12,17 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from spyre_server.api.app import ServerState, create_app
+from spyre_server.api.app import create_app
 from spyre_server.api.auth import APIKeys, salt_secret
 from spyre_server.api.generation import GenerationLimits
 from spyre_server.api.metrics import ServerMetrics
+from spyre_server.api.state import ServerState
 from spyre_server.async_engine import AsyncEngine
 from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
-from spyre_server.loading import (
+from spyre_server.engine_factory import build_engine
+from spyre_server.model.loading import (
     LoadedModel,
-    build_engine,
     configure_torch,
     load_model,
     resolve_dtype,

@@ -26,7 +26,7 @@ def build_tiny_llama() -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The HF-format folder of SmolLM2-135M-Instruct, converted once per cache (~60 s)."""
-    from spyre_server.model_store import (
+    from spyre_server.model.store import (
         ModelStoreError,
         default_cache_dir,
         prepare_default_model,
@@ -66,8 +66,8 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def smollm2_fp32(smollm2_path: Path) -> object:
-    """SmolLM2 loaded once with fms in float32 (``spyre_server.loading.LoadedModel``)."""
-    from spyre_server.loading import load_model
+    """SmolLM2 loaded once with fms in float32 (``spyre_server.model.loading.LoadedModel``)."""
+    from spyre_server.model.loading import load_model
 
     return load_model(smollm2_path, torch.float32)
 

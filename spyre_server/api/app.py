@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -13,7 +12,6 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from spyre_server.api.auth import APIKeys
 from spyre_server.api.completions import register_generation_routes
 from spyre_server.api.errors import (
     APIError,
@@ -23,25 +21,10 @@ from spyre_server.api.errors import (
     internal_error_handler,
     validation_error_handler,
 )
-from spyre_server.api.generation import GenerationLimits
-from spyre_server.api.metrics import ServerMetrics
 from spyre_server.api.middleware import Auth, BodyLimit, RequestId
-from spyre_server.async_engine import AsyncEngine
-from spyre_server.config import Config
+from spyre_server.api.state import ServerState
 
 MAX_BODY_BYTES = 4 * 2**20
-
-
-@dataclass(slots=True)
-class ServerState:
-    engine: AsyncEngine
-    tokenizer: Any
-    config: Config
-    model_name: str
-    limits: GenerationLimits
-    metrics: ServerMetrics
-    api_keys: APIKeys
-    created: int
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,11 +20,9 @@ from spyre_server.api.generation import (
     resolve_max_tokens,
 )
 from spyre_server.api.protocol import ChatCompletionRequest, CompletionRequest
+from spyre_server.api.state import ServerState
 from spyre_server.api.token_bytes import token_bytes
 from spyre_server.sampling import SamplingParams, TokenLogprobs
-
-if TYPE_CHECKING:
-    from spyre_server.api.app import ServerState
 
 _DISCONNECT_POLL_SECONDS = 0.5
 

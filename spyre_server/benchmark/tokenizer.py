@@ -14,7 +14,7 @@ from spyre_server.benchmark.errors import BenchError
 
 def default_tokenizer_path() -> Path:
     """The default model's prepared folder (``spyre-server prepare-model`` creates it)."""
-    from spyre_server.model_store import DEFAULT_MODEL_NAME, default_cache_dir
+    from spyre_server.model.store import DEFAULT_MODEL_NAME, default_cache_dir
 
     return default_cache_dir() / DEFAULT_MODEL_NAME
 

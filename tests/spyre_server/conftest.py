@@ -62,7 +62,8 @@ def make_engine(micro_model: Any) -> Iterator[Callable[..., Any]]:
     import torch
 
     from spyre_server.config import load_config
-    from spyre_server.loading import LoadedModel, build_engine
+    from spyre_server.engine_factory import build_engine
+    from spyre_server.model.loading import LoadedModel
 
     def make(eos_token_id: int | None = None, tokenizer: Any = None, **overrides: Any) -> Any:
         values = ENGINE_DEFAULTS | {k.replace("__", "."): v for k, v in overrides.items()}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from spyre_server import cli
-from spyre_server.model_store import (
+from spyre_server.model.store import (
     DEFAULT_MODEL_NAME,
     INSTALL_COMMAND,
     ModelStoreError,

@@ -9,10 +9,11 @@ import pytest
 import torch
 import yaml
 
-from spyre_server import loading
 from spyre_server.config import Config, ConfigError, load_config, parse_bytes
-from spyre_server.loading import LoadedModel, ModelLoadError, build_engine, num_kv_blocks
-from spyre_server.model_runner import kv_cache_shape
+from spyre_server.engine_factory import build_engine
+from spyre_server.model import loading
+from spyre_server.model.loading import LoadedModel, ModelLoadError, num_kv_blocks
+from spyre_server.model.runner import kv_cache_shape
 from tests.spyre_server.conftest import ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[2]

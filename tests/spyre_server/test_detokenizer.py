@@ -196,7 +196,7 @@ def smollm2_tokenizer(request: pytest.FixtureRequest):  # type: ignore[no-untype
     try:
         path = request.getfixturevalue("smollm2_path")
     except pytest.FixtureLookupError:
-        from spyre_server.model_store import (
+        from spyre_server.model.store import (
             ModelStoreError,
             default_cache_dir,
             prepare_default_model,

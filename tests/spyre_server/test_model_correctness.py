@@ -30,7 +30,7 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from spyre_server.model_runner import ModelRunner
+from spyre_server.model.runner import ModelRunner
 
 BS = 64
 TINY_VOCAB = 256
@@ -690,7 +690,7 @@ def test_smollm2_runner_matches_hf_transformers(
 @pytest.mark.slow
 def test_smollm2_says_paris(smollm2_path: Path, smollm2_fp32: object, one_thread: None) -> None:
     from spyre_server.config import load_config
-    from spyre_server.loading import build_engine
+    from spyre_server.engine_factory import build_engine
     from spyre_server.offline import LLM
     from spyre_server.sampling import SamplingParams
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from spyre_server import model_store
-from spyre_server.model_store import (
+from spyre_server.model import store as model_store
+from spyre_server.model.store import (
     COMPLETE_MARKER,
     DEFAULT_MODEL_NAME,
     INSTALL_COMMAND,

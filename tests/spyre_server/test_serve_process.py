@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spyre_server.model_store import default_cache_dir, prepare_default_model
+from spyre_server.model.store import default_cache_dir, prepare_default_model
 
 pytestmark = pytest.mark.slow
 

@@ -42,7 +42,7 @@ import httpx
 import pytest
 
 from spyre_server.config import ServerSection
-from spyre_server.model_store import ModelStoreError, default_cache_dir, prepare_default_model
+from spyre_server.model.store import ModelStoreError, default_cache_dir, prepare_default_model
 
 pytestmark = pytest.mark.slow
 

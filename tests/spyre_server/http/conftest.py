@@ -96,8 +96,8 @@ def smollm2_loaded(request: pytest.FixtureRequest) -> Any:
         pass
     import torch
 
-    from spyre_server.loading import load_model
-    from spyre_server.model_store import ModelStoreError, default_cache_dir, prepare_default_model
+    from spyre_server.model.loading import load_model
+    from spyre_server.model.store import ModelStoreError, default_cache_dir, prepare_default_model
 
     try:
         path = prepare_default_model(default_cache_dir())

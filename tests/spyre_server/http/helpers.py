@@ -274,7 +274,7 @@ def micro_config(**overrides: Any) -> Any:
 def micro_loaded(model: Any, eos_token_id: int | None = None) -> Any:
     import torch
 
-    from spyre_server.loading import LoadedModel
+    from spyre_server.model.loading import LoadedModel
 
     return LoadedModel(
         path=Path(MODEL_NAME),

@@ -15,7 +15,7 @@ import torch
 from fms.modules.attention import MultiHeadAttention
 
 from scheduler import DecodeBatch, PrefillChunk, ScheduledStep
-from spyre_server.paged_attention import paged_attention_kwargs, plan_attention
+from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
 from spyre_server.sampling import SamplingParams, TokenLogprobs, sample
 
 

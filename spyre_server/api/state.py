@@ -1,0 +1,24 @@
+"""What every route handler reads: the engine, the tokenizer, the configuration, the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spyre_server.api.auth import APIKeys
+from spyre_server.api.generation import GenerationLimits
+from spyre_server.api.metrics import ServerMetrics
+from spyre_server.async_engine import AsyncEngine
+from spyre_server.config import Config
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    config: Config
+    model_name: str
+    limits: GenerationLimits
+    metrics: ServerMetrics
+    api_keys: APIKeys
+    created: int
