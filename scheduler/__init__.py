@@ -3,7 +3,7 @@
 Pure Python; depends only on ``kvcache``.
 """
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import PrefillCompute, SchedulerConfig
 from scheduler.grid import ChunkGrid
 from scheduler.outputs import (
     DecodeBatch,
@@ -24,6 +24,7 @@ __all__ = [
     "FinishReason",
     "ModelRunnerOutput",
     "PrefillChunk",
+    "PrefillCompute",
     "Request",
     "RequestOutput",
     "RequestStatus",

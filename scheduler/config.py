@@ -1,6 +1,19 @@
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class PrefillCompute(enum.StrEnum):
+    """What the model runner computes of a scheduled prefill chunk, as the runner declares it.
+    The step plan is the same either way; only the cached-token accounting follows it."""
+
+    NEW_POSITIONS = "new_positions"
+    """Only the positions whose KV must be written, plus the one whose logits are needed
+    (the ``cpu`` backend): every position of a shared hit block is skipped but the logits one."""
+    WHOLE_WINDOWS = "whole_windows"
+    """Every position of each scheduled chunk window (the ``spyre`` backend, as on the card):
+    only the chunks the scheduler skips on the grid are saved."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +39,8 @@ class SchedulerConfig:
     """Share and skip cached prompt blocks."""
     cache_decode_blocks: bool = True
     """Also cache blocks whose KV was (partly) written by decode steps."""
+    prefill_compute: PrefillCompute = PrefillCompute.WHOLE_WINDOWS
+    """What the runner computes of a prefill chunk; ``cached_tokens`` counts what it skips."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "chunk_size", "max_num_seqs", "max_model_len"):

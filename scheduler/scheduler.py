@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvcache import BlockHashChain, BlockPool, ExtraKeys, root_hash
-from scheduler.config import SchedulerConfig
+from scheduler.config import PrefillCompute, SchedulerConfig
 from scheduler.grid import cdiv
 from scheduler.outputs import (
     DecodeBatch,
@@ -188,10 +188,21 @@ class Scheduler:
         request.status = RequestStatus.PREFILLING
         self._num_chunks_skipped += (usable * bs + grid.num_left_pad_tokens) // cfg.chunk_size
         if request.num_cached_tokens is None:  # first admission only (not after a preemption)
-            request.num_cached_tokens = usable * bs
+            request.num_cached_tokens = self._num_skipped_tokens(request, len(hits), usable)
             if use_cache:  # a bypassed lookup is no query (as in vLLM)
-                self.pool.record_admission(len(request.prompt_token_ids), usable * bs)
+                self.pool.record_admission(len(request.prompt_token_ids), request.num_cached_tokens)
         return True
+
+    def _num_skipped_tokens(
+        self, request: Request, num_hit_blocks: int, num_usable_blocks: int
+    ) -> int:
+        """Prompt tokens whose compute the running backend skips thanks to the hit (DESIGN §4):
+        the usable grid part for whole windows; every shared position but the logits one when
+        the runner computes only new positions (the hit blocks' slots go to block 0)."""
+        bs = self.config.block_size
+        if self.config.prefill_compute is PrefillCompute.WHOLE_WINDOWS:
+            return num_usable_blocks * bs
+        return min(num_hit_blocks * bs, len(request.prompt_token_ids) - 1)
 
     def _max_decode_tkv(self, request: Request) -> int:
         """Upper bound of the request's tkv at every decode step: its padded prompt plus

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import FinishReason, RequestStatus, SchedulerStats
+from scheduler import FinishReason, PrefillCompute, RequestStatus, SchedulerStats
 from tests.scheduler.fake_runner import (
     Driver,
     FakeRunner,
@@ -1046,3 +1046,42 @@ def test_preempted_request_can_run_alone_again() -> None:
     assert labels == ["r:1"] + ["D:r"] * 98, "r is never re-admitted (schedule() returns None)"
     assert d.finish == {"r": LENGTH}
     assert d.tokens["r"] == expected_tokens(toks(64, 2000), 100)
+
+
+# ============================================ accounting for a runner of new positions only
+@pytest.mark.parametrize(
+    ("chunk_size", "len_a", "len_shared", "len_b", "whole_windows", "new_positions"),
+    [
+        # (scenario) whole windows: the usable grid part; new positions: min(hit, L - 1)
+        (128, 192, 192, 192, 64, 191),  # §7.1: 3 blocks hit, 1 usable
+        (128, 70, 70, 70, 0, 64),  # §7.2: 1 block hit, one chunk
+        (128, 384, 384, 384, 256, 383),  # §7.7: 6 blocks hit, 4 usable
+        (128, 384, 254, 384, 128, 192),  # §7.8: 3 blocks hit, 2 usable
+        (128, 384, 256, 384, 256, 256),  # §7.9: 4 blocks hit and usable
+        (192, 64, 64, 320, 0, 64),  # §7.10: 1 block hit, usable 0
+        (128, 64, 64, 64, 0, 63),  # the whole prompt hit: its logits position still runs
+    ],
+)
+def test_cached_tokens_follow_what_the_runner_computes(
+    chunk_size: int,
+    len_a: int,
+    len_shared: int,
+    len_b: int,
+    whole_windows: int,
+    new_positions: int,
+) -> None:
+    prompt_a = toks(len_a, 1000)
+    prompt_b = prompt_a[:len_shared] + toks(len_b - len_shared, 9000)
+    for compute, want in (
+        (PrefillCompute.WHOLE_WINDOWS, whole_windows),
+        (PrefillCompute.NEW_POSITIONS, new_positions),
+    ):
+        d = Driver(make_scheduler(chunk_size=chunk_size, num_blocks=32, prefill_compute=compute))
+        d.add("a", prompt_a, 2)
+        d.run()
+        d.add("b", prompt_b, 2)
+        d.run()
+        assert d.cached == {"a": 0, "b": want}, compute
+        queries, hits, *_ = counters(d)
+        assert (queries, hits) == (len_a + len_b, want), compute
+        assert d.tokens["b"] == expected_tokens(prompt_b, 2)
