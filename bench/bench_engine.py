@@ -38,8 +38,8 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.loading import cpu_flags, load_model
-from spyre_server.model.runner import ModelRunner
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
 BS = 64
@@ -83,7 +83,7 @@ class Bench:
         self.dtype = dtype
         self.vocab = vocab
         self.num_blocks = 160
-        self.runner = ModelRunner(model, num_blocks=self.num_blocks, block_size=BS, dtype=dtype)
+        self.runner = CpuModelRunner(model, num_blocks=self.num_blocks, block_size=BS, dtype=dtype)
 
     def scheduler(
         self, chunk_size: int, *, caching: bool = True, max_num_seqs: int = 8

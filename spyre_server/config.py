@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "SPYRE_SERVER_"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -32,11 +39,22 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     path: Path | None = None
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    backend: Literal["cpu", "spyre"] = "cpu"
+    compile_backend: Literal["eager", "inductor", "sendnn"] = "sendnn"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, gt=0)
     served_model_name: str | None = None
     num_threads: int | None = Field(None, gt=0)
     cache_dir: Path | None = None
+
+    @model_validator(mode="after")
+    def _float16_is_for_spyre(self) -> ModelSection:
+        if self.dtype == "float16" and self.backend == "cpu":
+            raise ValueError(
+                "model.dtype float16 is the Spyre card's precision (model.backend: spyre); "
+                "the cpu backend takes auto, float32 or bfloat16"
+            )
+        return self
 
 
 class CacheSection(_Section):

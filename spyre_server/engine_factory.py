@@ -1,4 +1,5 @@
-"""Assembles a ready engine from the configuration and a loaded model: scheduler, runner, KV cache."""
+"""Assembles a ready engine from the configuration and a loaded model: scheduler, runner of the
+configured backend (warmed up), KV cache."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import logging
 from scheduler import Scheduler, SchedulerConfig
 from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
+from spyre_server.model.compile import prepare_backend, sendnn_environment
+from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.loading import LoadedModel, num_kv_blocks
 from spyre_server.model.runner import ModelRunner
+from spyre_server.model.spyre_backend import SpyreModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 def build_engine(config: Config, loaded: LoadedModel) -> LLMEngine:
     num_blocks = num_kv_blocks(config, loaded.model, loaded.dtype)
+    runner_class = CpuModelRunner if config.model.backend == "cpu" else SpyreModelRunner
     sched_config = SchedulerConfig(
         block_size=config.cache.block_size,
         chunk_size=config.scheduler.chunk_size,
@@ -25,22 +30,65 @@ def build_engine(config: Config, loaded: LoadedModel) -> LLMEngine:
         interleave=config.scheduler.interleave,
         enable_prefix_caching=config.cache.enable_prefix_caching,
         cache_decode_blocks=config.cache.cache_decode_blocks,
+        prefill_compute=runner_class.prefill_compute,
     )
     scheduler = Scheduler(
         sched_config,
         hash_seed=config.cache.hash_seed,
         model_name=config.model.served_model_name or loaded.name,
     )
-    runner = ModelRunner(
-        loaded.model, num_blocks=num_blocks, block_size=config.cache.block_size, dtype=loaded.dtype
-    )
+    runner = _create_runner(config, loaded, sched_config)
     logger.info(
-        "KV cache: %d blocks of %d tokens (%s)", num_blocks, config.cache.block_size, loaded.dtype
+        "KV cache: %d blocks of %d tokens (%s), %s backend",
+        num_blocks,
+        config.cache.block_size,
+        loaded.dtype,
+        config.model.backend,
     )
+    runner.warm_up()
     return LLMEngine(
         scheduler,
         runner,
         loaded.tokenizer,
         eos_token_id=loaded.eos_token_id,
         vocab_size=loaded.vocab_size,
+    )
+
+
+def check_backend(config: Config) -> None:
+    """Fail now, before the model loads, if the configured backend cannot run here (on the
+    spyre backend: import its compiler, with the environment it reads at import time)."""
+    if config.model.backend == "cpu":
+        return
+    model, sched = config.model, config.scheduler
+    prepare_backend(
+        model.compile_backend,
+        sendnn_environment(
+            chunk_size=sched.chunk_size,
+            max_model_len=model.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_batch_tkv_limit=sched.max_batch_tkv_limit
+            or model.max_model_len * sched.max_num_seqs,
+        ),
+    )
+
+
+def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) -> ModelRunner:
+    if config.model.backend == "cpu":
+        return CpuModelRunner(
+            loaded.model,
+            num_blocks=sched.num_blocks,
+            block_size=sched.block_size,
+            dtype=loaded.dtype,
+        )
+    check_backend(config)
+    return SpyreModelRunner(
+        loaded.model,
+        num_blocks=sched.num_blocks,
+        block_size=sched.block_size,
+        dtype=loaded.dtype,
+        chunk_size=sched.chunk_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_model_len=sched.max_model_len,
+        compile_backend=config.model.compile_backend,
     )

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from scheduler import FinishReason
 from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
-from spyre_server.engine_factory import build_engine
+from spyre_server.engine_factory import build_engine, check_backend
 from spyre_server.model.loading import (
     configure_torch,
     load_model,
-    resolve_dtype,
+    model_dtype,
     resolve_model_path,
 )
 from spyre_server.sampling import SamplingParams, TokenLogprobs
@@ -41,7 +41,8 @@ class LLM:
     @classmethod
     def from_config(cls, config: Config) -> LLM:
         configure_torch(config)
-        loaded = load_model(resolve_model_path(config), resolve_dtype(config.model.dtype))
+        check_backend(config)
+        loaded = load_model(resolve_model_path(config), model_dtype(config))
         return cls(build_engine(config, loaded))
 
     def generate(

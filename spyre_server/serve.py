@@ -20,12 +20,12 @@ from spyre_server.api.state import ServerState
 from spyre_server.async_engine import AsyncEngine
 from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
-from spyre_server.engine_factory import build_engine
+from spyre_server.engine_factory import build_engine, check_backend
 from spyre_server.model.loading import (
     LoadedModel,
     configure_torch,
     load_model,
-    resolve_dtype,
+    model_dtype,
     resolve_model_path,
 )
 
@@ -38,8 +38,9 @@ most), leaving time for the current engine step to finish and the answers to go 
 
 def load(config: Config) -> LoadedModel:
     configure_torch(config)
+    check_backend(config)
     path = resolve_model_path(config, progress=lambda message: logger.info("%s", message))
-    return load_model(path, resolve_dtype(config.model.dtype))
+    return load_model(path, model_dtype(config))
 
 
 def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = None) -> FastAPI:
@@ -56,7 +57,7 @@ def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = No
             default_max_tokens=config.server.default_max_tokens,
             max_waiting=config.scheduler.max_waiting,
         ),
-        metrics=ServerMetrics(model_name, engine.scheduler.make_stats),
+        metrics=ServerMetrics(model_name, engine.scheduler.make_stats, engine.runner.program_stats),
         api_keys=APIKeys(config.server.api_keys, salt_secret(config.cache.hash_seed)),
         created=int(time.time()),
     )

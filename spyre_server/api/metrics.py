@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from scheduler import SchedulerStats
+from spyre_server.model.runner import ProgramStats
 
 _LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -76,10 +77,44 @@ class _SchedulerCollector(Collector):
         yield chunks
 
 
+class _ProgramCollector(Collector):
+    """The fixed-shape programs of the spyre backend (none on the cpu backend)."""
+
+    def __init__(self, read_stats: Callable[[], ProgramStats | None], model_name: str) -> None:
+        self._read_stats = read_stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read_stats()
+        warmed = GaugeMetricFamily(
+            "spyre:warmed_programs",
+            "Program shapes compiled and warmed up at start (0: a backend without programs).",
+            labels=["model_name"],
+        )
+        warmed.add_metric([self._model_name], len(stats.warmed) if stats else 0)
+        yield warmed
+        if stats is None:
+            return
+        steps = CounterMetricFamily(
+            "spyre:program_steps",
+            "Engine steps run per program shape, by kind (prefill or decode).",
+            labels=["model_name", "kind", "shape"],
+        )
+        for program, count in sorted(stats.num_steps.items()):
+            steps.add_metric([self._model_name, program.kind, program.shape], count)
+        yield steps
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, read_stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        read_stats: Callable[[], SchedulerStats],
+        read_program_stats: Callable[[], ProgramStats | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(read_stats, model_name))
+        self.registry.register(_ProgramCollector(read_program_stats, model_name))
         labels = ["model_name"]
 
         def counter(name: str, doc: str) -> Counter:

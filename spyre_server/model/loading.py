@@ -43,11 +43,22 @@ def cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """``auto``: bfloat16 where the CPU multiplies it natively (AMX / AVX512-BF16), else float32."""
+def resolve_dtype(
+    name: str, *, backend: str = "cpu", compile_backend: str = "sendnn"
+) -> torch.dtype:
+    """``auto`` on the cpu backend: bfloat16 where the CPU multiplies it natively (AMX /
+    AVX512-BF16), else float32. ``auto`` on the spyre backend: float16 on the card (``sendnn``),
+    float32 for its CPU fidelity runs (``eager`` / ``inductor``), as vllm-spyre does."""
     if name == "auto":
+        if backend == "spyre":
+            return torch.float16 if compile_backend == "sendnn" else torch.float32
         return torch.bfloat16 if cpu_flags() & _FAST_BF16_FLAGS else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def model_dtype(config: Config) -> torch.dtype:
+    model = config.model
+    return resolve_dtype(model.dtype, backend=model.backend, compile_backend=model.compile_backend)
 
 
 def physical_cores() -> int:

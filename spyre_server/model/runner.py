@@ -1,22 +1,27 @@
-"""Executes a scheduler step on an fms model with our paged attention (DESIGN §2, §3).
+"""The runner contract: execute one scheduler step on an fms model and sample (DESIGN §2, §3).
 
-The runner does exactly what the step says and holds no scheduling state. On the CPU it computes
-only the positions whose KV must be written (slot outside block 0) and the position whose logits
-are needed; padding and recomputed cached positions cost nothing, since attention reads the cached
-copy through the block table.
+A runner does exactly what the step says and holds no scheduling state. Its backend decides how:
+``cpu`` (cpu_backend.py) computes only the positions whose KV must be written, through our own
+paged attention; ``spyre`` (spyre_backend.py) runs the fixed-shape programs a Spyre card runs.
+Each declares what it computes of a prefill chunk (``prefill_compute``), and the scheduler's
+cached-token accounting follows that declaration.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from fms.modules.attention import MultiHeadAttention
 
-from scheduler import DecodeBatch, PrefillChunk, ScheduledStep
-from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
+from scheduler import DecodeBatch, PrefillChunk, PrefillCompute, ScheduledStep
 from spyre_server.sampling import SamplingParams, TokenLogprobs, sample
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, the key and value block tensors ``[num_blocks, block_size, kv_heads, head_dim]``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +52,30 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs]
 
 
-class ModelRunner:
+@dataclass(frozen=True, slots=True, order=True)
+class ProgramShape:
+    """A compiled program: its kind and the shape of its token input."""
+
+    kind: str
+    """``prefill`` or ``decode``."""
+    shape: str
+    """``"{batch}x{tokens}"``: ``1x256`` for a 256-position prefill window, ``8x1`` for a
+    decode batch of 8. The block-table width is a dynamic dimension of the same program."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramStats:
+    """Fixed-shape programs of a backend that compiles them (``None`` for one that does not)."""
+
+    warmed: frozenset[ProgramShape]
+    """The programs warmed up at start (empty before warm-up); a step outside is a bug."""
+    num_steps: Mapping[ProgramShape, int]
+    """Steps run per program since warm-up."""
+
+
+class ModelRunner(abc.ABC):
+    prefill_compute: ClassVar[PrefillCompute]
+
     def __init__(
         self, model: torch.nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> None:
@@ -56,7 +84,7 @@ class ModelRunner:
         shape = kv_cache_shape(model)
         self.kv_shape = shape
         # Zeros, not empty: masked-out keys are still multiplied by 0 and must not be NaN.
-        self.kv_caches = [
+        self.kv_caches: KVCaches = [
             (
                 torch.zeros(
                     num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype
@@ -67,6 +95,12 @@ class ModelRunner:
             )
             for _ in range(shape.num_layers)
         ]
+
+    def warm_up(self) -> None:  # noqa: B027  (most backends have nothing to prepare)
+        """Prepare every program the server can issue, before the first request."""
+
+    def program_stats(self) -> ProgramStats | None:
+        return None
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, params: Mapping[str, SamplingParams]) -> StepResult:
@@ -92,50 +126,11 @@ class ModelRunner:
             return self._prefill(step)
         return self._decode(step)
 
-    def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
-        bs = self.block_size
-        # Positions whose KV goes to block 0 form a prefix of the chunk (the shared hit blocks):
-        # skip them, except the last position when it must produce the logits.
-        first = next((i for i, s in enumerate(step.slot_mapping) if s >= bs), None)
-        if first is None:
-            if not step.is_last_chunk:
-                return None  # nothing to write, nothing to sample
-            first = len(step.token_ids) - 1
-        positions = step.positions[first:]
-        input_ids = torch.tensor([step.token_ids[first:]])
-        plan = plan_attention([step.block_table], [positions], bs)
-        kwargs = paged_attention_kwargs(torch.tensor(step.slot_mapping[first:]), plan)
-        position_ids = torch.tensor([positions])
-        logits = self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)
-        return logits[:, -1] if step.is_last_chunk else None
+    @abc.abstractmethod
+    def _prefill(self, step: PrefillChunk) -> torch.Tensor | None: ...
 
-    def _decode(self, step: DecodeBatch) -> torch.Tensor:
-        entries = step.entries
-        plan = plan_attention(
-            [e.block_table for e in entries], [[e.position] for e in entries], self.block_size
-        )
-        kwargs = paged_attention_kwargs(torch.tensor([e.slot for e in entries]), plan)
-        position_ids = torch.tensor([[e.position] for e in entries])
-        input_ids = torch.tensor([[e.token_id] for e in entries])
-        return self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)[:, -1]
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        kwargs: dict[str, object],
-        *,
-        last_n_tokens: int,
-    ) -> torch.Tensor:
-        logits, _ = self.model(
-            input_ids,
-            position_ids=position_ids,
-            past_key_value_states=self.kv_caches,
-            use_cache=True,
-            last_n_tokens=last_n_tokens,
-            **kwargs,
-        )
-        return logits
+    @abc.abstractmethod
+    def _decode(self, step: DecodeBatch) -> torch.Tensor: ...
 
     def _sample(
         self,

@@ -687,13 +687,13 @@ def test_prefix_repetition_hits_match_the_server_counters(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """One prefix of 5 full blocks, 4 prompts of 384 tokens, one at a time: the first computes
-    everything, each later one hits the 5 prefix blocks, of which the chunk grid (chunk 128 =
-    2 blocks, last chunk always computed) skips 4."""
+    everything, each later one hits the 5 prefix blocks, none of whose positions the cpu
+    backend computes."""
     server = micro()
     prefix_len, suffix_len, num_prompts, output_len = 5 * BLOCK, 64, 4, 4
     prompt_len = prefix_len + suffix_len
     per_hit = expected_cached_tokens(prompt_len, prefix_len // BLOCK)
-    assert per_hit == 4 * BLOCK
+    assert per_hit == 5 * BLOCK
     expected = (num_prompts - 1) * per_hit
     out_file = tmp_path / "r.json"
     before = server.metrics()
@@ -734,18 +734,17 @@ def test_prefix_repetition_hits_match_the_server_counters(
     assert table_value(out, "Hit / queried tokens (server)") == f"{expected} / {4 * prompt_len}"
 
 
-def test_shared_system_prompt_hits_match_the_chunk_grid(
+def test_shared_system_prompt_hits_match_the_server(
     micro: Callable[..., Server],
     tokenizer_dir: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """2 groups x 3 prompts of 256 + 64 tokens, one at a time: the first prompt of each group
-    misses, the others hit the 4 system-prompt blocks, of which the grid (one pad block) skips
-    3."""
+    misses, the others hit the 4 system-prompt blocks (256 positions not computed)."""
     server = micro()
     per_hit = expected_cached_tokens(256 + 64, 256 // BLOCK)
-    assert per_hit == 3 * BLOCK
+    assert per_hit == 4 * BLOCK
     out_file = tmp_path / "r.json"
     before = server.metrics()
     code, _, err = bench(

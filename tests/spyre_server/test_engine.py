@@ -358,19 +358,25 @@ def test_llm_generate_reports_errors(
 
 
 @pytest.mark.parametrize(
-    ("length", "cached"),
+    ("backend", "length", "cached"),
     [
-        (100, 0),  # one chunk: it is the last, nothing is skipped
-        (200, 128),  # 3 full blocks hit, whole chunks only: chunk 0 (2 blocks) skipped
-        (384, 256),  # 6 blocks hit, the last chunk is always computed
-        (320, 192),  # left pad 1 block: min((1 + 5) // 2, 3 - 1) * 2 - 1 = 3 blocks
+        # cpu: every position of a hit block is skipped but the logits one, min(hit, L - 1)
+        ("cpu", 100, 64),  # 1 full block hit
+        ("cpu", 200, 192),  # 3 full blocks hit
+        ("cpu", 384, 383),  # 6 blocks hit: only the logits position is computed
+        ("cpu", 320, 319),  # 5 blocks hit
+        # spyre: whole windows run, so only whole skipped chunks count; chunk 128 = 2 blocks,
+        # usable = max(0, min((pad + hit) // 2, chunks - 1) * 2 - pad) blocks
+        ("spyre", 100, 0),  # one chunk: it is the last, nothing is skipped
+        ("spyre", 200, 128),  # 3 full blocks hit, whole chunks only: chunk 0 (2 blocks) skipped
+        ("spyre", 384, 256),  # 6 blocks hit, the last chunk is always computed
+        ("spyre", 320, 192),  # left pad 1 block: min((1 + 5) // 2, 3 - 1) * 2 - 1 = 3 blocks
     ],
 )
 def test_cached_tokens_for_a_repeated_prompt(
-    make_engine: MakeEngine, length: int, cached: int
+    make_engine: MakeEngine, backend: str, length: int, cached: int
 ) -> None:
-    # chunk 128 = 2 blocks; usable = max(0, min((pad + hit) // 2, chunks - 1) * 2 - pad) blocks
-    engine = make_engine()
+    engine = make_engine(model__backend=backend, model__compile_backend="eager")
     llm = LLM(engine)
     prompt = [(7 * i) % 251 for i in range(length)]
     first = llm.generate([prompt], greedy(3))[0]

@@ -30,6 +30,7 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.runner import ModelRunner
 
 BS = 64
@@ -120,7 +121,9 @@ class Harness:
             ),
             hash_seed=0,
         )
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=BS, dtype=torch.float32)
+        self.runner = CpuModelRunner(
+            model, num_blocks=num_blocks, block_size=BS, dtype=torch.float32
+        )
         self.check = check
         self.traces: dict[str, Trace] = {}
         self.steps: list[ScheduledStep] = []

@@ -207,7 +207,7 @@ def test_decode_batch_sharing_a_prompt_prefix_equals_full_forwards(
         shared_counts.append(min(g.shared_blocks.numel() for g in plan.groups))
         return plan
 
-    monkeypatch.setattr("spyre_server.model.runner.plan_attention", spy)
+    monkeypatch.setattr("spyre_server.model.cpu_backend.plan_attention", spy)
     prefixes = [rand_tokens(256, seed=500), rand_tokens(256, seed=501)]
     h = Harness(tiny_llama, chunk_size=128, max_num_seqs=5)
     for i, suffix_len in enumerate((1, 30, 64, 100, 150)):

@@ -107,10 +107,10 @@ def unique_text(tag: str, length: int) -> str:
     return out[:length]
 
 
-def expected_cached_tokens(num_tokens: int, num_hit_blocks: int, chunk: int = CHUNK) -> int:
-    from scheduler.grid import ChunkGrid
-
-    return ChunkGrid(num_tokens, BLOCK, chunk).usable_hit_blocks(num_hit_blocks) * BLOCK
+def expected_cached_tokens(num_tokens: int, num_hit_blocks: int) -> int:
+    """The cpu backend's count (DESIGN §4): every position of a hit block is skipped, but the
+    one that produces the logits."""
+    return min(num_hit_blocks * BLOCK, num_tokens - 1)
 
 
 # ------------------------------------------------------------------------------------ reference

@@ -220,11 +220,13 @@ def _collision_prompts() -> list[tuple[str, str]]:
     return [("P", p), ("Q", q), ("R", r), ("S", p), ("L", long), ("L2", long)]
 
 
-# cached_tokens of the sequence above (chunk 128) with real hashes, and with every hash equal:
-# then the pool keeps one cached block per hash, a chain breaks after its first block (the
-# second block's hash is taken by the first), and a colliding block of other content is a miss.
-REAL_HASHES = {"P": 0, "Q": 64, "R": 0, "S": 64, "L": 0, "L2": 256}
-ALL_COLLIDE = {"P": 0, "Q": 64, "R": 0, "S": 0, "L": 0, "L2": 0}
+# cached_tokens of the sequence above with real hashes, and with every hash equal: then the
+# pool keeps one cached block per hash, a chain breaks after its first block (the second
+# block's hash is taken by the first), and a colliding block of other content is a miss. The
+# cpu backend skips every position of a hit block but the logits one: S hits 3 blocks of its
+# 192 tokens (191), L2 6 of 384 (383); under collisions L2 hits 1 block (64).
+REAL_HASHES = {"P": 0, "Q": 64, "R": 0, "S": 191, "L": 0, "L2": 383}
+ALL_COLLIDE = {"P": 0, "Q": 64, "R": 0, "S": 0, "L": 0, "L2": 64}
 
 
 @pytest.mark.parametrize("collide", [False, True], ids=["real-hashes", "all-hashes-equal"])
@@ -253,7 +255,7 @@ def test_hash_collisions_cost_misses_never_wrong_hits(
     if collide:  # the patch took: every cached hash is the one digest
         assert {h for h in chains if h is not None} == {COLLIDING_DIGEST}
     hits = {name: watch.of(f"collide-{name}").num_hit_blocks for name, _ in _collision_prompts()}
-    # L2 shares L's first block under collisions, but no chunk is skipped
+    # L2 shares L's first block under collisions
     assert hits == (
         {"P": 0, "Q": 1, "R": 0, "S": 0, "L": 0, "L2": 1}
         if collide
@@ -304,8 +306,8 @@ def test_different_cache_salts_never_share_blocks(
 ) -> None:
     server = make_server()
     watch = BlockWatch(server, monkeypatch)
-    long = unique_text("salt-blocks/long", 300)  # 4 full blocks, cached_tokens 192 on a hit
-    short = unique_text("salt-blocks/short", 100)  # 1 full block, 1 chunk: shared, no skip
+    long = unique_text("salt-blocks/long", 300)  # 4 full blocks, cached_tokens 256 on a hit
+    short = unique_text("salt-blocks/short", 100)  # 1 full block: 64 positions skipped on a hit
     hit = expected_cached_tokens(300, 4)
     plan = [
         ("long-a1", long, "tenant-a", 0),
@@ -316,8 +318,8 @@ def test_different_cache_salts_never_share_blocks(
         ("long-none2", long, None, hit),
         ("short-a1", short, "tenant-a", 0),
         ("short-b1", short, "tenant-b", 0),
-        ("short-a2", short, "tenant-a", 0),
-        ("short-b2", short, "tenant-b", 0),
+        ("short-a2", short, "tenant-a", 64),
+        ("short-b2", short, "tenant-b", 64),
     ]
     for rid, prompt, salt, want in plan:
         extra = {} if salt is None else {"cache_salt": salt}

@@ -1,0 +1,58 @@
+"""The ``cpu`` backend: computes only what must be computed, through our paged attention.
+
+Of a prefill chunk it computes the positions whose KV must be written (slot outside block 0) and
+the position whose logits are needed; padding and recomputed cached positions cost nothing,
+since attention reads the cached copy through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler import DecodeBatch, PrefillChunk, PrefillCompute
+from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
+from spyre_server.model.runner import ModelRunner
+
+
+class CpuModelRunner(ModelRunner):
+    prefill_compute = PrefillCompute.NEW_POSITIONS
+
+    def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
+        bs = self.block_size
+        # Positions whose KV goes to block 0 form a prefix of the chunk (the shared hit blocks):
+        # skip them, except the last position when it must produce the logits.
+        first = next((i for i, s in enumerate(step.slot_mapping) if s >= bs), None)
+        if first is None:
+            if not step.is_last_chunk:
+                return None  # nothing to write, nothing to sample
+            first = len(step.token_ids) - 1
+        positions = step.positions[first:]
+        input_ids = torch.tensor([step.token_ids[first:]])
+        plan = plan_attention([step.block_table], [positions], bs)
+        kwargs = paged_attention_kwargs(torch.tensor(step.slot_mapping[first:]), plan)
+        position_ids = torch.tensor([positions])
+        logits = self._forward(input_ids, position_ids, kwargs)
+        return logits[:, -1] if step.is_last_chunk else None
+
+    def _decode(self, step: DecodeBatch) -> torch.Tensor:
+        entries = step.entries
+        plan = plan_attention(
+            [e.block_table for e in entries], [[e.position] for e in entries], self.block_size
+        )
+        kwargs = paged_attention_kwargs(torch.tensor([e.slot for e in entries]), plan)
+        position_ids = torch.tensor([[e.position] for e in entries])
+        input_ids = torch.tensor([[e.token_id] for e in entries])
+        return self._forward(input_ids, position_ids, kwargs)[:, -1]
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kwargs: dict[str, object]
+    ) -> torch.Tensor:
+        logits, _ = self.model(
+            input_ids,
+            position_ids=position_ids,
+            past_key_value_states=self.kv_caches,
+            use_cache=True,
+            last_n_tokens=1,
+            **kwargs,
+        )
+        return logits

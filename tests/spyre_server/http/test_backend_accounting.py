@@ -1,0 +1,67 @@
+"""cached_tokens and the cache metrics through the public API, on both backends (DESIGN §4):
+each counts the prompt tokens whose compute the running backend skipped. The chunk view
+(spyre:prefill_chunks_total) is the Spyre plan's on both; the program metrics are the spyre
+backend's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.spyre_server.http.helpers import MakeServer, delta, unique_text
+
+CHUNK = 256
+MAX_NUM_SEQS = 4
+
+
+# The issue's examples, chunk 256, blocks of 64, a prompt sent twice:
+# - 141 tokens: 2 full blocks hit. cpu: their 128 positions are not computed (13 are). spyre:
+#   one chunk, which is the last: the whole window runs, nothing is skipped.
+# - 596 tokens: 9 full blocks hit. cpu: 576 positions not computed. spyre: padded 640, 3 chunks,
+#   2 blocks of left padding: min((2 + 9) // 4, 3 - 1) = 2 whole chunks skipped = 8 blocks
+#   minus the 2 padding blocks = 384 tokens.
+@pytest.mark.parametrize(
+    ("backend", "length", "cached", "chunks_skipped"),
+    [
+        ("cpu", 141, 128, 0),
+        ("spyre", 141, 0, 0),
+        ("cpu", 596, 576, 2),
+        ("spyre", 596, 384, 2),
+    ],
+)
+def test_cached_tokens_are_what_the_backend_skipped(
+    make_server: MakeServer, backend: str, length: int, cached: int, chunks_skipped: int
+) -> None:
+    server = make_server(
+        model__backend=backend,
+        model__compile_backend="eager",
+        scheduler__chunk_size=CHUNK,
+        scheduler__max_num_seqs=MAX_NUM_SEQS,
+    )
+    client = server.openai()
+    prompt = unique_text(f"accounting-{length}", length)
+    first = client.completions.create(model="micro", prompt=prompt, max_tokens=3, temperature=0)
+    before = server.metrics()
+    second = client.completions.create(model="micro", prompt=prompt, max_tokens=3, temperature=0)
+    after = server.metrics()
+
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert second.usage.prompt_tokens_details.cached_tokens == cached  # type: ignore[union-attr]
+    assert second.choices[0].text == first.choices[0].text
+    assert delta(after, before, "vllm:prefix_cache_queries_total") == length
+    assert delta(after, before, "vllm:prefix_cache_hits_total") == cached
+    num_chunks = -(-length // CHUNK)
+    assert delta(after, before, "spyre:prefill_chunks_total", source="cache") == chunks_skipped
+    assert (
+        delta(after, before, "spyre:prefill_chunks_total", source="computed")
+        == num_chunks - chunks_skipped
+    )
+    if backend == "spyre":
+        assert after.value("spyre:warmed_programs") == 1 + MAX_NUM_SEQS
+        steps = delta(after, before, "spyre:program_steps_total", kind="prefill", shape="1x256")
+        assert steps == num_chunks - chunks_skipped
+        decode = delta(after, before, "spyre:program_steps_total", kind="decode", shape="1x1")
+        assert decode == 2  # max_tokens 3: the prefill samples the first token
+    else:
+        assert after.value("spyre:warmed_programs") == 0
+        assert not [f for f in after.families if f.name == "spyre:program_steps"]
