@@ -11,7 +11,7 @@ from spyre_server.engine import LLMEngine
 from spyre_server.model.compile import prepare_backend, sendnn_environment
 from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.loading import LoadedModel, num_kv_blocks
-from spyre_server.model.runner import ModelRunner
+from spyre_server.model.runner import ModelRunner, kv_cache_shape
 from spyre_server.model.spyre_backend import SpyreModelRunner
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,17 @@ def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) 
             dtype=loaded.dtype,
         )
     check_backend(config)
+    if config.model.compile_backend != "sendnn":
+        kv_bytes = sched.num_blocks * kv_cache_shape(loaded.model).bytes_per_block(
+            sched.block_size, loaded.dtype
+        )
+        logger.warning(
+            "spyre backend on a CPU (%s): fms's reference spyre_paged_attn copies the whole KV "
+            "cache (%.0f MiB) at every layer of every step; a small cache.num_blocks keeps it "
+            "bearable",
+            config.model.compile_backend,
+            kv_bytes / 2**20,
+        )
     return SpyreModelRunner(
         loaded.model,
         num_blocks=sched.num_blocks,
