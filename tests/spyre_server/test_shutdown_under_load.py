@@ -43,6 +43,7 @@ import pytest
 
 from spyre_server.config import ServerSection
 from spyre_server.model.store import ModelStoreError, default_cache_dir, prepare_default_model
+from tests.conftest import default_model_missing
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +81,7 @@ def _start(drain: float | None, log: Path) -> Child:
     try:
         model = prepare_default_model(default_cache_dir())
     except ModelStoreError as exc:
-        pytest.skip(str(exc))
+        default_model_missing(str(exc))
     port = _free_port()
     env = {
         **os.environ,
