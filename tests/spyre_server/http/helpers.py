@@ -83,7 +83,14 @@ class ByteChatTokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
     ) -> Any:
+        if chat_template is not None:  # as HF tokenizers do: render the given Jinja template
+            import jinja2
+
+            template = jinja2.Environment().from_string(chat_template)
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+            return self.encode(text) if tokenize else text
         lines = []
         for message in messages:
             if message["role"] == "tool":
