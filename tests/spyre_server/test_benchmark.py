@@ -441,6 +441,60 @@ def test_invalid_options(capsys: pytest.CaptureFixture[str]) -> None:
         assert info.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("argv", "warned"),
+    [
+        (["--num-prompts", "3", "--num-prefixes", "4"], True),
+        (["--num-prompts", "4", "--num-prefixes", "4"], True),  # each prefix once: no repeat
+        (["--num-prompts", "5", "--num-prefixes", "4"], False),
+        (["--num-prompts", "3", "--num-prefixes", "4", "--prefix-len", "0"], False),  # no prefix
+    ],
+)
+def test_prefix_repetition_without_repetition_warns(
+    stub: Callable[..., tuple[Server, StubLog]],
+    tokenizer_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    warned: bool,
+) -> None:
+    server, log = stub()
+    code, _, err = bench(
+        capsys,
+        *("--base-url", server.url, "--tokenizer", str(tokenizer_dir)),
+        *("--prefix-len", "4", "--suffix-len", "4", "--output-len", "1", *argv),
+    )
+    assert code == 0, err
+    warning = (
+        f"spyre-server bench: warning: --num-prompts {argv[1]} is not above --num-prefixes 4: "
+        "every prompt gets a prefix of its own, so no prefix repeats and the prefix cache "
+        "cannot hit\n"
+    )
+    assert (warning in err) == warned, err
+    assert len(log.bodies) == int(argv[1])  # a warning, not a refusal
+
+
+@pytest.mark.parametrize(
+    ("workload", "argv"),
+    [("shared-system-prompt", ["--prompts-per-group", "1"]), ("multi-turn", ["--num-turns", "1"])],
+)
+def test_other_workloads_without_repetition_warn(
+    workload: str,
+    argv: list[str],
+    stub: Callable[..., tuple[Server, StubLog]],
+    tokenizer_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server, _ = stub()
+    code, _, err = bench(
+        capsys,
+        *(workload, "--base-url", server.url, "--tokenizer", str(tokenizer_dir), *argv),
+        "--output-len",
+        "1",
+    )
+    assert code == 0, err
+    assert f"spyre-server bench: warning: {argv[0]} 1: " in err
+
+
 def test_unreachable_server_fails_fast(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
