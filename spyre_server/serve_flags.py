@@ -84,7 +84,8 @@ FLAGS: tuple[ServeFlag, ...] = (
         "--dtype",
         "model.dtype",
         "DTYPE",
-        "auto, float32 or bfloat16 (default {default}; auto: bfloat16 on CPUs with AMX or AVX512-BF16)",
+        "auto, float32, bfloat16, or float16 (spyre backend only); default {default}: the "
+        "backend's best on this machine (cpu: bfloat16 with AMX or AVX512-BF16, else float32)",
     ),
     ServeFlag(
         "--chat-template",

@@ -415,15 +415,15 @@ def test_invalid_values_name_the_file_the_variable_or_the_flag(tmp_path: Path) -
         load_config(
             path,
             environ={"SPYRE_SERVER_SERVER__PORT": "70000"},
-            overrides={"scheduler.chunk_size": 100, "model.dtype": "fp8"},
+            overrides={"scheduler.chunk_size": 100, "server.default_max_tokens": 0},
             override_sources={"scheduler.chunk_size": "--chunk-size"},
         )
     problems = str(info.value).removeprefix("invalid configuration: ").split("; ")
     assert problems == [
-        "model.dtype: Input should be 'auto', 'float32' or 'bfloat16'",  # no source given
         "model.max_model_len (from config file " + str(path) + "): Input should be greater than 0",
         "scheduler.chunk_size (from --chunk-size): Input should be a multiple of 64",
         "server.port (from SPYRE_SERVER_SERVER__PORT): Input should be less than or equal to 65535",
+        "server.default_max_tokens: Input should be greater than 0",  # no source given
     ]
 
 
