@@ -8,11 +8,13 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
-import torch
 from hypothesis import settings
+
+if TYPE_CHECKING:  # torch is imported where it is used: tests of the CI rules start fast
+    import torch
 
 TINY_SEED = 0
 
@@ -54,6 +56,7 @@ def build_tiny_llama() -> torch.nn.Module:
 
     Deterministic: torch is seeded before the weights are drawn. ~1 s on a CPU.
     """
+    import torch
     from fms.models import get_model
 
     torch.manual_seed(TINY_SEED)
@@ -94,6 +97,8 @@ def one_thread() -> Iterator[None]:
     when other processes share the cores (CI runners, parallel jobs), torch's thread pool makes
     every step several times slower: SmolLM2 decode steps took 4-8x longer on two threads than on
     one on a busy 2-core machine."""
+    import torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -105,6 +110,8 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def smollm2_fp32(smollm2_path: Path) -> object:
     """SmolLM2 loaded once with fms in float32 (``spyre_server.model.loading.LoadedModel``)."""
+    import torch
+
     from spyre_server.model.loading import load_model
 
     return load_model(smollm2_path, torch.float32)
