@@ -1,4 +1,4 @@
-"""The ``spyre-server`` command: ``prepare-model``, ``serve`` and ``bench``."""
+"""The spyre-server command: prepare-model, serve and bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from spyre_server.benchmark.cli import add_parser as add_bench_parser
 from spyre_server.config import Config, ConfigError, load_config
 from spyre_server.model.store import ModelStoreError, default_cache_dir, prepare_default_model
+from spyre_server.serve_flags import add_serve_parser, serve_overrides
 
 
 def _progress(message: str) -> None:
@@ -23,11 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     prepare.add_argument("--config", type=Path, help="config file (for model.cache_dir)")
     prepare.add_argument("--cache-dir", type=Path, help="overrides model.cache_dir")
-    serve = commands.add_parser("serve", help="start the OpenAI-compatible server")
-    serve.add_argument("--config", type=Path, help="config file (default: built-in defaults)")
-    serve.add_argument("--host", help="overrides server.host")
-    serve.add_argument("--port", type=int, help="overrides server.port")
-    serve.add_argument("--model", help="overrides model.path (an HF-format model folder)")
+    add_serve_parser(commands)
     add_bench_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -41,32 +38,31 @@ def main(argv: list[str] | None = None) -> int:
             cache_dir = args.cache_dir or config.model.cache_dir or default_cache_dir()
             print(prepare_default_model(cache_dir, progress=_progress))
             return 0
-        overrides = {
-            key: value
-            for key, value in (
-                ("server.host", args.host),
-                ("server.port", args.port),
-                ("model.path", args.model),
-            )
-            if value is not None
-        }
-        config = load_config(args.config, overrides=overrides)
+        overrides, sources = serve_overrides(args)
+        config = load_config(args.config, overrides=overrides, override_sources=sources)
         return _serve(config)
     except (ConfigError, ModelStoreError) as exc:
         _progress(f"error: {exc}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while preparing or loading the model
+        _progress("interrupted")
+        return 0 if args.command == "serve" else 130
 
 
 def _serve(config: Config) -> int:
     # Imported here: torch, fms and uvicorn take seconds to import.
+    from spyre_server.listen_socket import ListenError
     from spyre_server.model.loading import ModelLoadError
     from spyre_server.serve import serve
 
     try:
         serve(config)
-    except ModelLoadError as exc:
+    except (ListenError, ModelLoadError) as exc:
         _progress(f"error: {exc}")
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn drained the requests in flight, then raised the signal again.
+        pass
     return 0
 
 

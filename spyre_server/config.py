@@ -1,13 +1,17 @@
 """Server configuration: one YAML file (config.yaml documents every key), overridden by environment
 variables ``SPYRE_SERVER_<SECTION>__<KEY>`` and then by command-line flags.
 
-Unknown keys and invalid values stop the start with a message naming the key.
+Unknown keys and invalid values stop the start with a message naming the key, where it was set
+(file, variable or flag) and, for a misspelt key, the nearest valid one.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +25,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from spyre_server.chat_template import load_chat_template
 
 ENV_PREFIX = "SPYRE_SERVER_"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -46,6 +52,14 @@ class ModelSection(_Section):
     served_model_name: str | None = None
     num_threads: int | None = Field(None, gt=0)
     cache_dir: Path | None = None
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        if value is not None:
+            load_chat_template(value)  # fail at start, not at the first chat request
+        return value
 
     @model_validator(mode="after")
     def _float16_is_for_spyre(self) -> ModelSection:
@@ -94,6 +108,11 @@ class ServerSection(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     graceful_shutdown_seconds: float = Field(25.0, gt=0)
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_case(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
 
 class Config(_Section):
     model: ModelSection = ModelSection()
@@ -116,18 +135,20 @@ def load_config(
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    override_sources: Mapping[str, str] | None = None,
 ) -> Config:
-    """File, then environment, then ``overrides`` (``{"server.port": 9000}``), validated once."""
+    """File, then environment, then ``overrides`` (``{"server.port": 9000}``), validated once.
+
+    ``override_sources`` names where an override came from (``{"server.port": "--port"}``):
+    every error names the file, environment variable or flag that set the key, and an unknown
+    key or section comes with the nearest valid spelling."""
     data: dict[str, Any] = {}
+    sources: dict[tuple[str, str], str] = {}
     if path is not None:
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must be a mapping of sections")
-        # A section with every key commented out reads as null: it means "all defaults".
-        data = {k: ({} if v is None else v) for k, v in loaded.items()}
+        data = _read_file(path)
+        for section, values in data.items():
+            for key in values if isinstance(values, dict) else ():
+                sources[section, str(key)] = f"config file {path}"
     env = os.environ if environ is None else environ
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
@@ -135,28 +156,143 @@ def load_config(
         section, sep, key = name[len(ENV_PREFIX) :].lower().partition("__")
         if not sep or not key:
             raise ConfigError(f"{name}: expected {ENV_PREFIX}<SECTION>__<KEY>")
-        _set(data, section, key, _parse_env_value(raw), source=name)
+        _set(data, section, key, parse_env_value(raw, _annotation(section, key)), source=name)
+        sources[section, key] = name
     for dotted, value in (overrides or {}).items():
-        section, _, key = dotted.partition(".")
-        _set(data, section, key, value, source=dotted)
+        source = (override_sources or {}).get(dotted)
+        section, sep, key = dotted.partition(".")
+        if not sep or not key:
+            raise ConfigError(f"{source or dotted}: expected <section>.<key>, got {dotted!r}")
+        _set(data, section, key, value, source=source or dotted)
+        if source is None:
+            sources.pop((section, key), None)  # set by the caller: nothing to name
+        else:
+            sources[section, key] = source
+    problems = _unknown_keys(data, sources)
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"invalid configuration: {problems}") from None
+        problems += [_describe(err, sources) for err in exc.errors() if err["type"] != _EXTRA]
+    if problems:
+        raise ConfigError("invalid configuration: " + "; ".join(problems))
+    return config
 
 
-def _parse_env_value(raw: str) -> Any:
-    """YAML scalars and lists (``8``, ``true``, ``[a, b]``, ``null``); anything that is not
-    valid YAML is taken as the plain string."""
+_EXTRA = "extra_forbidden"  # reported by _unknown_keys, with a suggestion
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections")
+    # A section with every key commented out reads as null: it means "all defaults".
+    return {str(k): ({} if v is None else v) for k, v in loaded.items()}
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    out = {}
+    for name, field in Config.model_fields.items():
+        assert isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        out[name] = field.annotation
+    return out
+
+
+def _annotation(section: str, key: str) -> Any:
+    """The type of ``section.key``; ``None`` for an unknown key."""
+    model = _sections().get(section)
+    field = model.model_fields.get(key) if model is not None else None
+    return field.annotation if field is not None else None
+
+
+def env_name(section: str, key: str) -> str:
+    """``("scheduler", "chunk_size")`` -> ``SPYRE_SERVER_SCHEDULER__CHUNK_SIZE``."""
+    return f"{ENV_PREFIX}{section.upper()}__{key.upper()}"
+
+
+def _unknown_keys(data: Mapping[str, Any], sources: Mapping[tuple[str, str], str]) -> list[str]:
+    """One problem per unknown section or key, with the nearest valid spelling."""
+    sections = _sections()
+    problems = []
+    for section, values in data.items():
+        keys = [str(k) for k in values] if isinstance(values, dict) else []
+        if section not in sections:
+            source = sources.get((section, keys[0])) if keys else None
+            guess = _nearest(section, sections)
+            hint = ""
+            if guess is not None:
+                valid = [k for k in keys if k in sections[guess].model_fields]
+                hint = f"; did you mean {_spell(guess, valid[0] if valid else None, source)}?"
+            problems.append(f"unknown section {section!r}{_from(source)}{hint}")
+            continue
+        for key in keys:
+            if key in sections[section].model_fields:
+                continue
+            source = sources.get((section, key))
+            guess = _nearest(key, sections[section].model_fields)
+            hint = f"; did you mean {_spell(section, guess, source)}?" if guess else ""
+            problems.append(f"unknown key {section}.{key}{_from(source)}{hint}")
+    return problems
+
+
+def _nearest(word: str, candidates: Mapping[str, Any]) -> str | None:
+    matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    if not matches:  # a prefix or a part of the name: "max_len" -> "max_model_len"
+        matches = [c for c in candidates if word and (c.startswith(word) or word in c)]
+    return matches[0] if matches else None
+
+
+def _spell(section: str, key: str | None, source: str | None) -> str:
+    """How the user would write the suggestion: as an environment variable if they used one."""
+    if key is None:
+        return repr(section)
+    if source is not None and source.startswith(ENV_PREFIX):
+        return env_name(section, key)
+    return f"{section}.{key}"
+
+
+def _from(source: str | None) -> str:
+    return f" (from {source})" if source else ""
+
+
+def _describe(error: Any, sources: Mapping[tuple[str, str], str]) -> str:
+    loc = [str(part) for part in error["loc"]]
+    source = sources.get((loc[0], loc[1])) if len(loc) >= 2 else None
+    return f"{'.'.join(loc)}{_from(source)}: {error['msg']}"
+
+
+def parse_env_value(raw: str, annotation: Any = None) -> Any:
+    """An environment variable's value for a key of type ``annotation``.
+
+    Empty means null. A list takes comma-separated values (``a,b``) or a YAML flow sequence
+    (``[a, "b,c"]``). A string or path key takes the text as it is (``010`` stays ``"010"``).
+    Anything else is read as a YAML scalar (``8``, ``true``, ``2GiB``); text that is not valid
+    YAML stays the plain string."""
     if raw == "":
         return None
+    if _is_list(annotation) and not raw.lstrip().startswith("["):
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    if _is_text(annotation):
+        return raw
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+
+
+def _union_args(annotation: Any) -> list[Any]:
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
+    return [a for a in args if a is not type(None)] or [annotation]
+
+
+def _is_list(annotation: Any) -> bool:
+    return any(typing.get_origin(a) is list for a in _union_args(annotation))
+
+
+def _is_text(annotation: Any) -> bool:
+    return annotation is not None and all(a in (str, Path) for a in _union_args(annotation))
 
 
 def _set(data: dict[str, Any], section: str, key: str, value: Any, *, source: str) -> None:

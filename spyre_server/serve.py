@@ -18,9 +18,11 @@ from spyre_server.api.generation import GenerationLimits
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.api.state import ServerState
 from spyre_server.async_engine import AsyncEngine
+from spyre_server.chat_template import load_chat_template
 from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
 from spyre_server.engine_factory import build_engine, check_backend
+from spyre_server.listen_socket import bind_socket
 from spyre_server.model.loading import (
     LoadedModel,
     configure_torch,
@@ -46,6 +48,7 @@ def load(config: Config) -> LoadedModel:
 def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = None) -> FastAPI:
     engine = engine or build_engine(config, loaded)
     model_name = config.model.served_model_name or loaded.name
+    template = config.model.chat_template
     state = ServerState(
         engine=AsyncEngine(engine),
         tokenizer=loaded.tokenizer,
@@ -60,22 +63,26 @@ def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = No
         metrics=ServerMetrics(model_name, engine.scheduler.make_stats, engine.runner.program_stats),
         api_keys=APIKeys(config.server.api_keys, salt_secret(config.cache.hash_seed)),
         created=int(time.time()),
+        chat_template=None if template is None else load_chat_template(template),
     )
     return create_app(state)
 
 
 def serve(config: Config) -> None:
+    """Bind the port (ListenError when it is taken, before anything loads), load the model
+    (ModelLoadError), serve until SIGTERM or Ctrl-C."""
     logging.basicConfig(
         level=config.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    sock = bind_socket(config.server.host, config.server.port)
     loaded = load(config)
     app = build_app(config, loaded)
     logger.info(
         "serving %s on http://%s:%d",
         config.model.served_model_name or loaded.name,
         config.server.host,
-        config.server.port,
+        sock.getsockname()[1],
     )
     # uvicorn drains in-flight requests on SIGTERM, restores the previous handler and raises
     # the signal again: make that previous handler a no-op so a graceful stop exits 0.
@@ -88,7 +95,7 @@ def serve(config: Config) -> None:
         log_level=config.server.log_level,
         timeout_graceful_shutdown=config.server.graceful_shutdown_seconds,
     )
-    DrainingServer(uvicorn_config, on_deadline=engine.stop).run()
+    DrainingServer(uvicorn_config, on_deadline=engine.stop).run(sockets=[sock])
 
 
 class DrainingServer(uvicorn.Server):

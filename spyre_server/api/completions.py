@@ -202,7 +202,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.text} for m in body.messages]
     try:
         text = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False, chat_template=state.chat_template
         )
     except Exception as exc:  # the template rejects the conversation (roles, order)
         raise APIError(

@@ -22,3 +22,5 @@ class ServerState:
     metrics: ServerMetrics
     api_keys: APIKeys
     created: int
+    chat_template: str | None = None
+    """Replaces the tokenizer's chat template (``model.chat_template``, loaded); None: its own."""

@@ -59,8 +59,8 @@ _OPTION_HELP = {
 _MAY_BE_ZERO = {"prefix_len", "suffix_len"}
 
 DESCRIPTION = """\
-Load-test an OpenAI-compatible server through /v1/completions (streaming), like `vllm bench
-serve`: prompts are token-id lists of exact lengths drawn from the tokenizer's ordinary ids. Reports
+Load-test an OpenAI-compatible server through /v1/completions (streaming), like "vllm bench
+serve": prompts are token-id lists of exact lengths drawn from the tokenizer's ordinary ids. Reports
 TTFT, inter-token and end-to-end latency percentiles, throughput, and the prefix-cache hit rate
 from the server's /metrics (vLLM counter names; n/a when the server has none).
 
@@ -136,8 +136,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--tokenizer",
         type=Path,
         metavar="PATH",
-        help="local HF tokenizer folder of the served model (default: the prepared "
-        "SmolLM2-135M-Instruct folder of `spyre-server prepare-model`)",
+        help="local HF tokenizer folder of the served model (default: the "
+        "SmolLM2-135M-Instruct folder that spyre-server prepare-model prepares)",
     )
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -221,6 +221,23 @@ def workload_options(args: argparse.Namespace, workload: str) -> dict[str, int]:
     return options
 
 
+def no_repetition_warning(workload: str, options: dict[str, int]) -> str | None:
+    """Why a run of these options cannot measure prefix caching (no prompt repeats another's
+    prefix), or ``None``."""
+    repeats = options.get("num_prompts", 0) > options.get("num_prefixes", 0)
+    if workload == "prefix-repetition" and options["prefix_len"] > 0 and not repeats:
+        return (
+            f"--num-prompts {options['num_prompts']} is not above --num-prefixes "
+            f"{options['num_prefixes']}: every prompt gets a prefix of its own, so no "
+            "prefix repeats and the prefix cache cannot hit"
+        )
+    if workload == "shared-system-prompt" and options["prompts_per_group"] == 1:
+        return "--prompts-per-group 1: no system prompt repeats, so the prefix cache cannot hit"
+    if workload == "multi-turn" and options["num_turns"] == 1:
+        return "--num-turns 1: no history is resent, so the prefix cache cannot hit"
+    return None
+
+
 def normalize_base_url(url: str) -> str:
     """Without trailing slashes or ``/v1``: the benchmark adds ``/v1/...`` and ``/metrics``."""
     url = url.rstrip("/")
@@ -279,6 +296,9 @@ def run(args: argparse.Namespace) -> int:
         return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
     num_requests = sum(c.num_turns for c in conversations)
+    warning = no_repetition_warning(workload, options)
+    if warning is not None:
+        print(f"spyre-server bench: warning: {warning}", file=sys.stderr, flush=True)
     print(
         f"spyre-server bench: {workload}, {num_requests} requests, model {model!r} at {base_url}",
         file=sys.stderr,

@@ -928,6 +928,67 @@ def test_hits_on_blocks_in_use_cost_no_reservation() -> None:
     assert d.tokens["r1"] == d.tokens["r2"] == expected_tokens(prompt, 60)
 
 
+def reservation_with_free_cached_hits(num_blocks: int) -> Driver:
+    """a (128 tokens) runs alone and leaves blocks 1, 2 cached in the free queue. Then b (64 tokens
+    + 70) runs, and c = a's prompt + 64 tokens (+ 60) wants to start: it needs 4 blocks, 2 of them
+    hits on a's blocks, which sit in the free queue. Sharing them takes them out of it, so they
+    cost free blocks exactly like new ones: c needs 4 free blocks beyond b's reservation."""
+    d = Driver(make_scheduler(chunk_size=64, num_blocks=num_blocks))
+    sched = d.sched
+    d.add("a", toks(128, 1000), 1)
+    assert d.run() == ["a:0", "a:1"]
+    assert free_queue(sched) == (*r(3, num_blocks), 2, 1)
+    assert hashed(sched, 1, 2) == [True, True] and refs(sched, 1, 2) == [0, 0]
+    d.add("b", toks(64, 5000), 70)  # reserves ceil(134 / 64) = 3 blocks
+    d.add("c", toks(128, 1000) + toks(64, 9000), 60)  # reserves ceil(252 / 64) = 4 blocks
+    assert sched.pool.lookup(sched.get_request("c").chain) == [1, 2]
+    s = d.step()
+    assert (s.label, s.block_tables) == ("b:0", {"b": (3,)})
+    s = d.step()  # b's first decode takes block 4: b holds 2 blocks and 1 more is reserved
+    assert (s.label, s.block_tables) == ("D:b", {"b": (3, 4)})
+    return d
+
+
+def test_hits_on_free_cached_blocks_cost_free_blocks_in_the_reservation() -> None:
+    # 6 usable blocks. Free now: 5, 6, 2, 1 (4 blocks), 1 of them reserved for b: 3 are left.
+    # c takes 4 (1 new + 2 free hits + 1 to grow into): it must wait for b to finish. Admitting
+    # it (counting the hits as free of charge: 4 - 2 = 2 <= 3) would leave b without its third
+    # block at position 128: a preemption, which the reservation exists to rule out.
+    d = reservation_with_free_cached_hits(num_blocks=7)
+    sched = d.sched
+    s = d.step()  # c cannot start: b decodes alone
+    assert s.label == "D:b"
+    assert sched.get_request("c").status is RequestStatus.WAITING
+    assert refs(sched, 1, 2) == [0, 0] and free_queue(sched) == (5, 6, 2, 1)
+    labels = d.run()
+    assert labels == ["D:b"] * 67 + ["c:2"] + ["D:c"] * 59
+    # b grew into 5 at position 128; released tail first: 5 (partial) to the front, 4 and 3
+    # (full, cached) to the back. c shares the hits 1, 2, takes 5 for chunk 2, 6 to decode into.
+    assert d.last_tables() == {"a": (1, 2), "b": (3, 4, 5), "c": (1, 2, 5, 6)}
+    assert d.cached == {"a": 0, "b": 0, "c": 128}  # chunks 0 and 1 skipped
+    assert counters(d) == (128 + 64 + 192, 128, 4, 2, 69 + 59, 0)
+    assert d.tokens["b"] == expected_tokens(toks(64, 5000), 70)
+    assert d.tokens["c"] == expected_tokens(toks(128, 1000) + toks(64, 9000), 60)
+
+
+def test_hits_on_free_cached_blocks_one_block_more_and_c_starts_at_once() -> None:
+    # 7 usable blocks: free 5, 6, 7, 2, 1 minus b's 1 reserved = 4 = what c takes.
+    d = reservation_with_free_cached_hits(num_blocks=8)
+    sched = d.sched
+    s = d.step()
+    assert (s.label, s.block_tables) == ("c:2", {"c": (1, 2, 5)})
+    assert s.slots == r(5 * 64, 6 * 64)  # only chunk 2 runs: tokens 128..191 -> block 5
+    assert refs(sched, 1, 2) == [1, 1]
+    assert free_queue(sched) == (6, 7)  # exactly c's fourth block and b's third
+    labels = d.run()
+    assert labels == ["D:b,c"] * 59 + ["D:b"] * 9  # c's 60 tokens; b's 70 = 1 + 1 + 59 + 9
+    assert stats(d).num_preemptions == 0
+    # c grows into 6 at position 192 (its first decode); when c finishes, its unhashed 6 goes
+    # to the front, and b, reaching position 128 five steps later, grows into it
+    assert d.last_tables() == {"a": (1, 2), "b": (3, 4, 6), "c": (1, 2, 5, 6)}
+    assert d.cached == {"a": 0, "b": 0, "c": 128}
+
+
 # =============================================================================== preemption
 def preemption_workload(d: Driver) -> None:
     # C = 64. r1: 100 tokens (blocks 1, 2); r2 shares r1's first block (64 cached tokens).

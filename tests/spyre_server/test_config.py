@@ -361,3 +361,158 @@ def test_cpu_flags_and_physical_cores_on_this_machine() -> None:
     flags = loading.cpu_flags()
     assert isinstance(flags, set)
     assert loading.physical_cores() >= 1
+
+
+# --- where a bad value came from, and the nearest valid key ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            {"file": "model:\n  max_len: 10\n"},
+            "unknown key model.max_len (from config file {path}); did you mean "
+            "model.max_model_len?",
+        ),
+        (
+            {"env": {"SPYRE_SERVER_CACHE__NUM_BLOCK": "5"}},
+            "unknown key cache.num_block (from SPYRE_SERVER_CACHE__NUM_BLOCK); did you mean "
+            "SPYRE_SERVER_CACHE__NUM_BLOCKS?",
+        ),
+        (
+            {"env": {"SPYRE_SERVER_SERVERS__PORT": "5"}},
+            "unknown section 'servers' (from SPYRE_SERVER_SERVERS__PORT); did you mean "
+            "SPYRE_SERVER_SERVER__PORT?",
+        ),
+        (
+            {"file": "modle:\n  path: /x\n"},
+            "unknown section 'modle' (from config file {path}); did you mean model.path?",
+        ),
+        (
+            {"overrides": {"scheduler.chunks": 5}},
+            "unknown key scheduler.chunks; did you mean scheduler.chunk_size?",
+        ),
+        (
+            {"env": {"SPYRE_SERVER_SERVER__LOGLEVEL": "info"}},
+            "unknown key server.loglevel (from SPYRE_SERVER_SERVER__LOGLEVEL); did you mean "
+            "SPYRE_SERVER_SERVER__LOG_LEVEL?",
+        ),
+        ({"overrides": {"cache.zzz": 1}}, "unknown key cache.zzz"),
+    ],
+)
+def test_unknown_keys_name_their_source_and_the_nearest_valid_key(
+    tmp_path: Path, source: dict[str, Any], message: str
+) -> None:
+    path = write_yaml(tmp_path, source["file"]) if "file" in source else None
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ=source.get("env", {}), overrides=source.get("overrides"))
+    assert str(info.value) == "invalid configuration: " + message.format(path=path)
+
+
+def test_invalid_values_name_the_file_the_variable_or_the_flag(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, {"model": {"max_model_len": 0}})
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            path,
+            environ={"SPYRE_SERVER_SERVER__PORT": "70000"},
+            overrides={"scheduler.chunk_size": 100, "server.default_max_tokens": 0},
+            override_sources={"scheduler.chunk_size": "--chunk-size"},
+        )
+    problems = str(info.value).removeprefix("invalid configuration: ").split("; ")
+    assert problems == [
+        "model.max_model_len (from config file " + str(path) + "): Input should be greater than 0",
+        "scheduler.chunk_size (from --chunk-size): Input should be a multiple of 64",
+        "server.port (from SPYRE_SERVER_SERVER__PORT): Input should be less than or equal to 65535",
+        "server.default_max_tokens: Input should be greater than 0",  # no source given
+    ]
+
+
+def test_a_later_source_takes_over_the_blame(tmp_path: Path) -> None:
+    """The error names where the value that was validated came from, not the first setter."""
+    path = write_yaml(tmp_path, {"scheduler": {"chunk_size": 128}})
+    with pytest.raises(ConfigError, match=r"\(from SPYRE_SERVER_SCHEDULER__CHUNK_SIZE\)"):
+        load_config(path, environ={"SPYRE_SERVER_SCHEDULER__CHUNK_SIZE": "100"})
+
+
+def test_an_override_without_a_section_names_its_source() -> None:
+    with pytest.raises(ConfigError, match=r"^--port: expected <section>\.<key>, got 'port'$"):
+        load_config(environ={}, overrides={"port": 1}, override_sources={"port": "--port"})
+
+
+# --- environment values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "keys"),
+    [
+        ("k1,k2", ["k1", "k2"]),
+        (" k1 , k2 ,", ["k1", "k2"]),  # spaces and an empty item are dropped
+        ("only-one", ["only-one"]),
+        ("[a, 'b,c']", ["a", "b,c"]),  # a YAML flow list, for a value holding a comma
+        ("0x1F,010", ["0x1F", "010"]),  # items are text, never numbers
+    ],
+)
+def test_a_list_from_the_environment(raw: str, keys: list[str]) -> None:
+    config = load_config(environ={"SPYRE_SERVER_SERVER__API_KEYS": raw})
+    assert config.server.api_keys == keys
+
+
+@pytest.mark.parametrize("raw", ["010", "0x1F", "true", "null", "1e3"])
+def test_a_text_key_from_the_environment_is_taken_as_it_is(raw: str) -> None:
+    """YAML would turn 010 into 8, true into True and null into None."""
+    config = load_config(environ={"SPYRE_SERVER_MODEL__SERVED_MODEL_NAME": raw})
+    assert config.model.served_model_name == raw
+    config = load_config(environ={"SPYRE_SERVER_MODEL__PATH": raw})
+    assert config.model.path == Path(raw)
+
+
+def test_typed_keys_from_the_environment_are_read_as_yaml() -> None:
+    config = load_config(
+        environ={
+            "SPYRE_SERVER_CACHE__HASH_SEED": "42",  # int | str: a number stays a number
+            "SPYRE_SERVER_SCHEDULER__INTERLEAVE": "false",
+            "SPYRE_SERVER_SERVER__GRACEFUL_SHUTDOWN_SECONDS": "2.5",
+        }
+    )
+    assert config.cache.hash_seed == 42
+    assert config.scheduler.interleave is False
+    assert config.server.graceful_shutdown_seconds == 2.5
+    assert load_config(environ={"SPYRE_SERVER_CACHE__HASH_SEED": "fleet-a"}).cache.hash_seed == (
+        "fleet-a"
+    )
+
+
+# --- log_level ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["DEBUG", "Debug", "debug"])
+def test_log_level_is_case_insensitive(tmp_path: Path, value: str) -> None:
+    assert load_config(environ={"SPYRE_SERVER_SERVER__LOG_LEVEL": value}).server.log_level == (
+        "debug"
+    )
+    path = write_yaml(tmp_path, {"server": {"log_level": value}})
+    assert load_config(path, environ={}).server.log_level == "debug"
+    config = load_config(environ={}, overrides={"server.log_level": value})
+    assert config.server.log_level == "debug"
+
+
+# --- chat_template --------------------------------------------------------------------------------
+
+
+def test_chat_template_file_or_inline(tmp_path: Path) -> None:
+    from spyre_server.chat_template import load_chat_template
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    config = load_config(environ={}, overrides={"model.chat_template": str(path)})
+    assert config.model.chat_template == str(path)  # the key keeps what the user wrote
+    assert load_chat_template(str(path)) == template
+    assert load_chat_template(template) == template
+    assert load_chat_template("line one\nline two") == "line one\nline two"
+    with pytest.raises(ValueError, match="neither a readable file nor an inline Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(
+        ConfigError, match=r"model\.chat_template: .*missing\.jinja'.*\(No such file"
+    ):
+        load_config(environ={}, overrides={"model.chat_template": str(tmp_path / "missing.jinja")})

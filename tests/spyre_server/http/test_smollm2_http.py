@@ -13,7 +13,6 @@ from tests.spyre_server.http.helpers import BLOCK, Server, start_server
 pytestmark = pytest.mark.slow
 
 NAME = "SmolLM2-135M-Instruct"
-CHUNK = 256  # the default chunk size
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +76,6 @@ def test_chat_answers_paris(smollm2_server: Server) -> None:
 
 
 def test_long_shared_system_prompt_is_cached(smollm2_server: Server, smollm2_loaded: Any) -> None:
-    from scheduler.grid import ChunkGrid
-
     tokenizer = smollm2_loaded.tokenizer
     system = " ".join(
         f"Rule {i}: answer politely, briefly and only about geography." for i in range(60)
@@ -99,9 +96,8 @@ def test_long_shared_system_prompt_is_cached(smollm2_server: Server, smollm2_loa
         (i for i, (a, b) in enumerate(zip(first_ids, second_ids, strict=False)) if a != b),
         min(len(first_ids), len(second_ids)),
     )
-    assert common > 2 * CHUNK
-    expected = ChunkGrid(len(second_ids), BLOCK, CHUNK).usable_hit_blocks(common // BLOCK) * BLOCK
-    assert expected >= CHUNK
+    assert (len(second_ids), common, common // BLOCK) == (848, 840, 13)
+    expected = 832  # 848 tokens, 13 blocks hit (cpu backend): min(13 * 64, 848 - 1) = 832
 
     client = smollm2_server.openai()
     smollm2_server.reset_cache()
@@ -124,3 +120,37 @@ def test_long_shared_system_prompt_is_cached(smollm2_server: Server, smollm2_loa
     assert second.usage.prompt_tokens_details.cached_tokens == expected  # type: ignore[union-attr]
     metrics = smollm2_server.metrics()
     assert metrics.value("vllm:kv_cache_usage_perc", model_name=NAME) == 0
+
+
+def test_a_chat_template_override_reaches_the_hf_tokenizer(smollm2_loaded: Any) -> None:
+    """model.chat_template goes to the real tokenizer's apply_chat_template."""
+    from spyre_server.config import load_config
+    from spyre_server.serve import build_app
+
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    config = load_config(
+        environ={},
+        overrides={
+            "cache.num_blocks": 16,
+            "model.max_model_len": 2048,
+            "model.dtype": "float32",
+            "model.chat_template": template,
+        },
+    )
+    server = start_server(build_app(config, smollm2_loaded))
+    try:
+        out = server.openai().chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=1,
+            temperature=0,
+        )
+    finally:
+        server.close()
+    rendered = "user: Hi\nassistant:"
+    expected = smollm2_loaded.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.usage is not None and out.usage.prompt_tokens == len(expected)
+    default = smollm2_loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert len(smollm2_loaded.tokenizer.encode(default, add_special_tokens=False)) != len(expected)
