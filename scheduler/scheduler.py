@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from kvcache import BlockHashChain, BlockPool, ExtraKeys, root_hash
+from kvcache import BlockHash, BlockHashChain, BlockPool, ExtraKeys, root_hash
 from scheduler.config import PrefillCompute, SchedulerConfig
 from scheduler.grid import cdiv
 from scheduler.outputs import (
@@ -52,6 +52,11 @@ class Scheduler:
         self._num_chunks_skipped = 0
         self._num_decode_steps = 0
         self._num_preemptions = 0
+
+    @property
+    def root_hash(self) -> BlockHash:
+        """The hash every chain's first block is chained onto (``h_{-1}``): its parent."""
+        return self._root_hash
 
     # ---------------------------------------------------------------- requests
     def add_request(

@@ -114,11 +114,27 @@ class ServerSection(_Section):
         return value.lower() if isinstance(value, str) else value
 
 
+class KVEventsSection(_Section):
+    enabled: bool = False
+    endpoint: str = "tcp://127.0.0.1:5557"
+    topic: str | None = None
+    replay_endpoint: str | None = None
+    buffer_steps: int = Field(10_000, ge=1)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"(tcp|ipc|inproc)://\S+", value):
+            raise ValueError(f"{value!r} is not a ZMQ address such as 'tcp://0.0.0.0:5557'")
+        return value
+
+
 class Config(_Section):
     model: ModelSection = ModelSection()
     cache: CacheSection = CacheSection()
     scheduler: SchedulerSection = SchedulerSection()
     server: ServerSection = ServerSection()
+    kv_events: KVEventsSection = KVEventsSection()
 
 
 def parse_bytes(text: str) -> int:
