@@ -22,7 +22,11 @@ from spyre_server.api.errors import (
     validation_error_handler,
 )
 from spyre_server.api.middleware import Auth, BodyLimit, RequestId
+from spyre_server.api.render import register_render_routes
+from spyre_server.api.server_info import register_server_info_routes
 from spyre_server.api.state import ServerState
+from spyre_server.api.tokenize import register_tokenize_routes
+from spyre_server.kv_events.service import start_kv_events
 
 MAX_BODY_BYTES = 4 * 2**20
 
@@ -30,11 +34,15 @@ MAX_BODY_BYTES = 4 * 2**20
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler = state.engine.engine.scheduler
+        kv_events = start_kv_events(state.config.kv_events, scheduler, state.model_name)
         state.engine.start()
         try:
             yield
         finally:
             await state.engine.shutdown()
+            if kv_events is not None:
+                kv_events.close()
 
     app = FastAPI(title="spyre-server", lifespan=lifespan)
     app.state.server = state
@@ -82,4 +90,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"success": True, "dropped_blocks": dropped}
 
     register_generation_routes(app, state, authorize)
+    register_tokenize_routes(app, state, authorize)
+    register_render_routes(app, state, authorize)
+    register_server_info_routes(app, state)
+    state.metrics.add_cache_config_info(state.engine.engine.scheduler.config)
     return app

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler import SchedulerStats
+from scheduler import SchedulerConfig, SchedulerStats
 from spyre_server.model.runner import ProgramStats
 
 _LATENCY_BUCKETS = (
@@ -113,6 +113,7 @@ class ServerMetrics:
         read_program_stats: Callable[[], ProgramStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
+        self._model_name = model_name
         self.registry.register(_SchedulerCollector(read_stats, model_name))
         self.registry.register(_ProgramCollector(read_program_stats, model_name))
         labels = ["model_name"]
@@ -139,3 +140,19 @@ class ServerMetrics:
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to the request's end."
         ).labels(*model)
+
+    def add_cache_config_info(self, config: SchedulerConfig) -> None:
+        """``vllm:cache_config_info``: constant 1, the cache settings as labels (as in vLLM;
+        routers and dashboards read ``block_size`` from it)."""
+        labels = {
+            "model_name": self._model_name,
+            "block_size": str(config.block_size),
+            "num_gpu_blocks": str(config.num_blocks),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+        }
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the KV cache configuration.",
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels).set(1)

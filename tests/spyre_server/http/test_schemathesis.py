@@ -70,6 +70,13 @@ OPERATIONS = {
     "POST /reset_prefix_cache",
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /tokenize",
+    "POST /detokenize",
+    "POST /v1/completions/render",
+    "POST /v1/chat/completions/render",
+    "GET /get_load",
+    "GET /server_info",
+    "GET /version",
 }
 
 
@@ -324,7 +331,39 @@ def _check_reset_ok(body: Any, response: Reply) -> None:
     assert ResetResult.model_validate(_json_body(response)).dropped_blocks >= 0
 
 
+def _check_tokenize_ok(body: Any, response: Reply) -> None:
+    out = _json_body(response)
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == MAX_MODEL_LEN
+    assert all(isinstance(t, int) and 0 <= t < 256 for t in out["tokens"])
+
+
+def _check_detokenize_ok(body: Any, response: Reply) -> None:
+    assert isinstance(_json_body(response)["prompt"], str)
+
+
+def _check_render_ok(body: Any, response: Reply) -> None:
+    out = _json_body(response)
+    for item in out if isinstance(out, list) else [out]:
+        assert item["model"] == MODEL_NAME and item["token_ids"], item
+        assert len(item["token_ids"]) < MAX_MODEL_LEN
+
+
+def _check_load_ok(body: Any, response: Reply) -> None:
+    assert _json_body(response)["load"] >= 0
+
+
+def _check_json_object_ok(body: Any, response: Reply) -> None:
+    assert isinstance(_json_body(response), dict)
+
+
 SUCCESS_CHECKS: dict[str, Callable[[Any, Reply], None]] = {
+    "POST /tokenize": _check_tokenize_ok,
+    "POST /detokenize": _check_detokenize_ok,
+    "POST /v1/completions/render": _check_render_ok,
+    "POST /v1/chat/completions/render": _check_render_ok,
+    "GET /get_load": _check_load_ok,
+    "GET /server_info": _check_json_object_ok,
+    "GET /version": _check_json_object_ok,
     "GET /health": _check_health_ok,
     "GET /metrics": _check_metrics_ok,
     "GET /v1/models": _check_models_ok,
