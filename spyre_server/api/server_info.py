@@ -47,6 +47,8 @@ def register_server_info_routes(app: FastAPI, state: ServerState) -> None:
                 "enabled": kv_events.enabled,
                 "endpoint": kv_events.endpoint,
                 "replay_endpoint": kv_events.replay_endpoint,
-                "topic": kv_events.topic or default_topic(state.model_name),
+                "topic": default_topic(state.model_name)
+                if kv_events.topic is None
+                else kv_events.topic,
             },
         }

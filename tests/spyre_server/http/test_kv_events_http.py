@@ -7,6 +7,7 @@ import socket
 import time
 from typing import Any
 
+import pytest
 import zmq
 
 from tests.spyre_server.http.helpers import BLOCK, MakeServer, unique_text
@@ -71,9 +72,14 @@ def test_a_prompt_publishes_its_full_blocks_salted_ones_nothing_reset_a_clear(
     assert first.medium == "GPU" and first.lora_name is None
 
 
-def test_the_topic_defaults_to_kv_hostname_model(make_server: MakeServer) -> None:
+@pytest.mark.parametrize("topic", [None, ""])
+def test_the_topic_defaults_to_kv_hostname_model(
+    make_server: MakeServer, topic: str | None
+) -> None:
     server = make_server(
-        kv_events__enabled=True, kv_events__endpoint=f"tcp://127.0.0.1:{free_port()}"
+        kv_events__enabled=True,
+        kv_events__endpoint=f"tcp://127.0.0.1:{free_port()}",
+        kv_events__topic=topic,
     )
-    topic = server.http().get("/server_info").json()["kv_events"]["topic"]
-    assert topic == f"kv@{socket.gethostname()}@micro"
+    reported = server.http().get("/server_info").json()["kv_events"]["topic"]
+    assert reported == (f"kv@{socket.gethostname()}@micro" if topic is None else "")
