@@ -4,13 +4,18 @@ vllm:cache_config_info gauge."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 from tests.spyre_server.http.helpers import (
     BLOCK,
     MAX_MODEL_LEN,
     MODEL_NAME,
     USABLE_BLOCKS,
+    MakeServer,
     Server,
     chat_prompt_ids,
+    slow_down,
     unique_text,
 )
 
@@ -88,3 +93,23 @@ def test_load_version_server_info_and_cache_config_info(micro_server: Server) ->
         )
         == 1
     )
+
+
+def test_get_load_counts_the_requests_in_flight(make_server: MakeServer, monkeypatch: Any) -> None:
+    server = make_server()
+    slow_down(monkeypatch, server, 0.1)
+    http = server.http()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(http.post, "/v1/completions", json={"prompt": "ab", "max_tokens": 4})
+            for _ in range(2)
+        ]
+        loads = []
+        for _ in range(200):  # a bound on polling, never an assertion on time
+            loads.append(http.get("/get_load").json()["load"])
+            if loads[-1] == 2:
+                break
+        assert 2 in loads, loads
+        assert all(f.result().status_code == 200 for f in futures)
+    server.wait_idle()
+    assert http.get("/get_load").json() == {"load": 0}
