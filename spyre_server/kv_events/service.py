@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import socket
 
+import zmq
+
 from scheduler import Scheduler
 from spyre_server.config import KVEventsSection
 from spyre_server.kv_events.collector import EventCollector
@@ -27,12 +29,19 @@ def start_kv_events(
     if not config.enabled:
         return None
     topic = config.topic if config.topic is not None else default_topic(model_name)
-    publisher = ZmqEventPublisher(
-        config.endpoint,
-        topic,
-        replay_endpoint=config.replay_endpoint,
-        buffer_steps=config.buffer_steps,
-    )
+    try:
+        publisher = ZmqEventPublisher(
+            config.endpoint,
+            topic,
+            replay_endpoint=config.replay_endpoint,
+            buffer_steps=config.buffer_steps,
+        )
+    except zmq.ZMQError as exc:
+        raise RuntimeError(
+            f"kv_events: cannot bind {config.endpoint}"
+            + (f" / {config.replay_endpoint}" if config.replay_endpoint else "")
+            + f": {exc}"
+        ) from exc
     scheduler.pool.subscribe(EventCollector(scheduler.root_hash, publisher.offer))
     logger.info(
         "publishing KV events on %s (topic %r, replay %s)",

@@ -34,3 +34,29 @@ def test_environment_overrides_and_an_explicitly_empty_topic() -> None:
 def test_invalid_values_name_the_key(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"kv_events.{key}"):
         load_config(environ={}, overrides={f"kv_events.{key}": value})
+
+
+def test_an_endpoint_in_use_stops_the_start_with_the_key_named() -> None:
+    from scheduler import Scheduler, SchedulerConfig
+    from spyre_server.kv_events.publisher import ZmqEventPublisher
+    from spyre_server.kv_events.service import start_kv_events
+
+    taken = ZmqEventPublisher("tcp://127.0.0.1:*", "t")
+    try:
+        section = load_config(
+            environ={}, overrides={"kv_events.enabled": True, "kv_events.endpoint": taken.endpoint}
+        ).kv_events
+        with pytest.raises(RuntimeError, match=f"kv_events: cannot bind {taken.endpoint}"):
+            start_kv_events(section, Scheduler(SchedulerConfig()), "m")
+    finally:
+        taken.close()
+
+
+def test_disabled_starts_nothing() -> None:
+    from scheduler import Scheduler, SchedulerConfig
+    from spyre_server.kv_events.service import start_kv_events
+
+    assert (
+        start_kv_events(load_config(environ={}).kv_events, Scheduler(SchedulerConfig()), "m")
+        is None
+    )
