@@ -54,17 +54,19 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> No
 def start_replicas(
     count: int, model: str | None, threads: int
 ) -> list[tuple[str, str, subprocess.Popen[bytes]]]:
+    # An empty topic (what vllm-router's static sources take) can only come from a file.
+    config_file = Path(tempfile.mkdtemp()) / "replica.yaml"
+    config_file.write_text('kv_events:\n  enabled: true\n  topic: ""\n')
     replicas = []
     for _ in range(count):
         port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
         env = os.environ | {
-            "SPYRE_SERVER_KV_EVENTS__ENABLED": "true",
             "SPYRE_SERVER_KV_EVENTS__ENDPOINT": events,
-            "SPYRE_SERVER_KV_EVENTS__TOPIC": '""',
             "SPYRE_SERVER_MODEL__NUM_THREADS": str(threads),
             "SPYRE_SERVER_CACHE__KV_CACHE_MEMORY": "512MiB",
         }
-        cmd = [str(BIN / "spyre-server"), "serve", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [str(BIN / "spyre-server"), "serve", "--config", str(config_file)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
         if model:
             cmd += ["--model", model]
         process = subprocess.Popen(

@@ -91,7 +91,10 @@ def _chat_tokens(state: ServerState, body: TokenizeRequest, chat: list[ChatMessa
     messages = [{"role": m.role, "content": m.text} for m in chat]
     try:
         text = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tokenize=False,
+            chat_template=state.chat_template,
         )
     except Exception as exc:
         raise APIError(

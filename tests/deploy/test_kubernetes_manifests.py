@@ -64,10 +64,24 @@ def test_the_router_names_every_replica_and_its_event_source() -> None:
     assert options["kv-event-block-size"] == "64"
 
 
-def test_the_replicas_publish_what_the_router_subscribes_to() -> None:
-    container = _container(_resources()[("StatefulSet", "spyre-server")])
+def _replica_config(tmp_path: Path) -> Any:
+    """The configuration a replica pod loads: the ConfigMap's file at --config, then its env."""
+    resources = _resources()
+    container = _container(resources[("StatefulSet", "spyre-server")])
+    args = container["args"]
+    (mount,) = container["volumeMounts"]
+    assert args[args.index("--config") + 1] == mount["mountPath"]
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(
+        resources[("ConfigMap", "spyre-server-config")]["data"][mount["subPath"]]
+    )
     environ = {e["name"]: e["value"] for e in container["env"]}
-    config = load_config(environ=environ)
+    return load_config(config_file, environ=environ)
+
+
+def test_the_replicas_publish_what_the_router_subscribes_to(tmp_path: Path) -> None:
+    container = _container(_resources()[("StatefulSet", "spyre-server")])
+    config = _replica_config(tmp_path)
     assert config.kv_events.enabled
     assert config.kv_events.endpoint == "tcp://0.0.0.0:5557"
     assert config.kv_events.topic == ""  # vllm-router 0.1.17 static sources: empty topic
@@ -76,7 +90,7 @@ def test_the_replicas_publish_what_the_router_subscribes_to() -> None:
     assert ports == {"http": 8000, "kv-events": 5557}
 
 
-def test_probes_grace_period_and_scraping() -> None:
+def test_probes_grace_period_and_scraping(tmp_path: Path) -> None:
     replicas = _resources()[("StatefulSet", "spyre-server")]
     pod = replicas["spec"]["template"]
     container = _container(replicas)
@@ -84,8 +98,7 @@ def test_probes_grace_period_and_scraping() -> None:
         assert container[probe]["httpGet"]["path"] == "/health"
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # model loading
-    environ = {e["name"]: e["value"] for e in container["env"]}
-    drain = load_config(environ=environ).server.graceful_shutdown_seconds
+    drain = _replica_config(tmp_path).server.graceful_shutdown_seconds
     assert pod["spec"]["terminationGracePeriodSeconds"] > drain
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"

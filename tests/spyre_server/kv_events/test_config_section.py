@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from spyre_server.config import ConfigError, load_config
@@ -16,13 +18,15 @@ def test_defaults_are_the_documented_ones() -> None:
     assert section.buffer_steps == 10_000
 
 
-def test_environment_overrides_and_an_explicitly_empty_topic() -> None:
+def test_environment_overrides_and_an_empty_topic_from_the_file(tmp_path: Path) -> None:
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text('kv_events:\n  topic: ""\n')  # vllm-router's static sources use ""
     section = load_config(
+        config_file,
         environ={
             "SPYRE_SERVER_KV_EVENTS__ENABLED": "true",
             "SPYRE_SERVER_KV_EVENTS__ENDPOINT": "tcp://0.0.0.0:6000",
-            "SPYRE_SERVER_KV_EVENTS__TOPIC": '""',  # vllm-router's static sources use ""
-        }
+        },
     ).kv_events
     assert (section.enabled, section.endpoint, section.topic) == (True, "tcp://0.0.0.0:6000", "")
 
