@@ -9,14 +9,17 @@ copy through the block table.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from fms.modules.attention import MultiHeadAttention
 
 from scheduler import DecodeBatch, PrefillChunk, ScheduledStep
 from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
-from spyre_server.sampling import SamplingParams, TokenLogprobs, sample
+from spyre_server.sampling import SamplingParams, SequenceSampling, TokenLogprobs, sample
+
+SamplingInputs = Mapping[str, SamplingParams | SequenceSampling]
+"""What the sampler needs of each request of a step, by request id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,9 @@ def kv_cache_shape(model: torch.nn.Module) -> KVCacheShape:
 class StepResult:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """For a prefill chunk with ``needs_prompt_logits``: the log-softmax of the logits at every
+    position of the chunk, ``[len(step.positions), vocab]`` float32, in position order."""
 
 
 class ModelRunner:
@@ -69,8 +75,10 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep, params: Mapping[str, SamplingParams]) -> StepResult:
+    def execute(self, step: ScheduledStep, params: SamplingInputs) -> StepResult:
         """Run the step, write its KV, and sample a token for every row that must produce one."""
+        if isinstance(step, PrefillChunk) and step.needs_prompt_logits:
+            return self._prefill_with_prompt_logprobs(step, params)
         logits = self.compute_logits(step)
         if logits is None:
             return StepResult({}, {})
@@ -92,6 +100,17 @@ class ModelRunner:
             return self._prefill(step)
         return self._decode(step)
 
+    def _prefill_with_prompt_logprobs(
+        self, step: PrefillChunk, params: SamplingInputs
+    ) -> StepResult:
+        """A chunk whose every position's logits are wanted: all of them are computed."""
+        logits = self._forward_chunk(step, 0, last_n_tokens=len(step.token_ids))[0]
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        if not step.is_last_chunk:
+            return StepResult({}, {}, {step.request_id: rows})
+        result = self._sample(logits[-1:], [step.request_id], [step.positions[-1] + 1], params)
+        return StepResult(result.sampled_token_ids, result.logprobs, {step.request_id: rows})
+
     def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
         bs = self.block_size
         # Positions whose KV goes to block 0 form a prefix of the chunk (the shared hit blocks):
@@ -101,13 +120,17 @@ class ModelRunner:
             if not step.is_last_chunk:
                 return None  # nothing to write, nothing to sample
             first = len(step.token_ids) - 1
+        logits = self._forward_chunk(step, first, last_n_tokens=1)
+        return logits[:, -1] if step.is_last_chunk else None
+
+    def _forward_chunk(self, step: PrefillChunk, first: int, *, last_n_tokens: int) -> torch.Tensor:
+        """Compute the chunk's positions from index ``first`` on (writing their KV)."""
         positions = step.positions[first:]
         input_ids = torch.tensor([step.token_ids[first:]])
-        plan = plan_attention([step.block_table], [positions], bs)
+        plan = plan_attention([step.block_table], [positions], self.block_size)
         kwargs = paged_attention_kwargs(torch.tensor(step.slot_mapping[first:]), plan)
         position_ids = torch.tensor([positions])
-        logits = self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)
-        return logits[:, -1] if step.is_last_chunk else None
+        return self._forward(input_ids, position_ids, kwargs, last_n_tokens=last_n_tokens)
 
     def _decode(self, step: DecodeBatch) -> torch.Tensor:
         entries = step.entries
@@ -142,7 +165,7 @@ class ModelRunner:
         logits: torch.Tensor,
         request_ids: list[str],
         positions: list[int],
-        params: Mapping[str, SamplingParams],
+        params: SamplingInputs,
     ) -> StepResult:
         result = sample(logits, [params[r] for r in request_ids], positions)
         logprobs = {
