@@ -59,6 +59,7 @@ def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = No
         metrics=ServerMetrics(model_name, engine.scheduler.make_stats),
         api_keys=APIKeys(config.server.api_keys, salt_secret(config.cache.hash_seed)),
         created=int(time.time()),
+        model_root=str(loaded.path),
     )
     return create_app(state)
 

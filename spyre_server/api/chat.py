@@ -9,11 +9,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from spyre_server.api.errors import APIError
-from spyre_server.api.generation import check_prompt
+from spyre_server.api.generation import Choice, check_prompt
 from spyre_server.api.logprobs import chat_logprobs
 from spyre_server.api.protocol import ChatCompletionRequest
 from spyre_server.api.serving import (
-    check_model,
+    check_request,
     now,
     run_to_end,
     sampling_params,
@@ -34,12 +34,16 @@ async def create_chat_completion(
     request: Request,
     state: Annotated[ServerState, Depends(server_state)],
 ) -> Any:
-    check_model(state, body.model)
+    check_request(state, body)
+    if body.max_new_tokens == 0:
+        raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
     prompt = _prompt(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    params = [sampling_params(state, body, prompt, num_top, body.max_new_tokens)]
+    params = [
+        sampling_params(state, body, prompt, logprobs=num_top, max_tokens=body.max_new_tokens)
+    ]
     generation = await start_generation(state, request, body, [prompt], params)
     response = _Response(state, body, f"chatcmpl-{request.state.request_id}")
 
@@ -53,6 +57,7 @@ async def create_chat_completion(
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": response.logprobs(c.logprobs),
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
                 for c in generation.choices
             ],
@@ -63,12 +68,12 @@ async def create_chat_completion(
     async def events() -> AsyncIterator[str]:
         for choice in generation.choices:
             first = {"role": "assistant", "content": ""}
-            yield sse(response.chunk(choice.index, first, None, None))
+            yield sse(response.chunk(choice, first, None))
         async for choice, delta in generation.stream():
             if delta.text or delta.logprobs or delta.finished:
                 content = {"content": delta.text} if delta.text else {}
                 logprobs = response.logprobs(delta.logprobs)
-                yield sse(response.chunk(choice.index, content, logprobs, choice.finish_reason))
+                yield sse(response.chunk(choice, content, logprobs))
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = response.envelope("chat.completion.chunk", [])
             usage["usage"] = generation.usage()
@@ -92,20 +97,17 @@ class _Response:
         return {"content": chat_logprobs(self.state, logprobs)}
 
     def chunk(
-        self,
-        index: int,
-        delta: dict[str, Any],
-        logprobs: dict[str, Any] | None,
-        finish_reason: str | None,
+        self, choice: Choice, delta: dict[str, Any], logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
         return self.envelope(
             "chat.completion.chunk",
             [
                 {
-                    "index": index,
+                    "index": choice.index,
                     "delta": delta,
                     "logprobs": logprobs,
-                    "finish_reason": finish_reason,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
                 }
             ],
         )

@@ -13,7 +13,7 @@ from spyre_server.api.generation import Choice, check_prompt
 from spyre_server.api.logprobs import completion_logprobs
 from spyre_server.api.protocol import CompletionRequest
 from spyre_server.api.serving import (
-    check_model,
+    check_request,
     now,
     run_to_end,
     sampling_params,
@@ -34,21 +34,32 @@ async def create_completion(
     request: Request,
     state: Annotated[ServerState, Depends(server_state)],
 ) -> Any:
-    check_model(state, body.model)
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported yet", param="echo")
+    check_request(state, body)
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(
+            400,
+            "max_tokens must be at least 1; 0 is accepted with echo (to score the prompt)",
+            param="max_tokens",
+        )
     prompts = _prompts(state, body.prompt)
-    params = [sampling_params(state, body, p, body.logprobs, body.max_tokens) for p in prompts]
+    params = [
+        sampling_params(
+            state,
+            body,
+            p,
+            logprobs=body.logprobs,
+            max_tokens=body.max_tokens,
+            prompt_logprobs=_prompt_logprobs(body),
+        )
+        for p in prompts
+    ]
     generation = await start_generation(state, request, body, prompts, params)
     response = _Response(state, body, f"cmpl-{request.state.request_id}", prompts)
 
     if not body.stream:
         await run_to_end(generation, request)
         out = response.envelope(
-            [
-                response.choice(c, response.prefix[c.prompt_index] + c.text, c.logprobs)
-                for c in generation.choices
-            ]
+            [response.choice(c, c.text, c.logprobs, True) for c in generation.choices]
         )
         out["usage"] = generation.usage()
         return JSONResponse(out)
@@ -56,18 +67,25 @@ async def create_completion(
     async def events() -> AsyncIterator[str]:
         started: set[int] = set()
         async for choice, delta in generation.stream():
-            text = delta.text
-            if choice.index not in started:
-                started.add(choice.index)
-                text = response.prefix[choice.prompt_index] + text
-            if text or delta.logprobs or delta.finished:
-                yield sse(response.envelope([response.choice(choice, text, delta.logprobs)]))
+            first = choice.index not in started
+            started.add(choice.index)
+            if (first and body.echo) or delta.text or delta.logprobs or delta.finished:
+                chunk = response.choice(choice, delta.text, delta.logprobs, first)
+                yield sse(response.envelope([chunk]))
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = response.envelope([])
             usage["usage"] = generation.usage()
             yield sse(usage)
 
     return sse_response(events())
+
+
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
+    """Prompt logprobs are computed for ``echo`` with ``logprobs``; ``max_tokens`` 0 needs them
+    too (it runs the prompt for nothing else)."""
+    if body.echo and body.logprobs is not None:
+        return body.logprobs
+    return 0 if body.max_tokens == 0 else None
 
 
 class _Response:
@@ -83,14 +101,25 @@ class _Response:
         self.prefix = [_text(state, p) if body.echo else "" for p in prompts]
         """What each prompt's first chunk starts with (the prompt's text with ``echo``)."""
 
-    def choice(self, choice: Choice, text: str, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def choice(
+        self, choice: Choice, text: str, logprobs: list[TokenLogprobs], first: bool
+    ) -> dict[str, Any]:
+        """A choice, or the chunk of one; the ``first`` part of a choice carries the echo."""
+        entries: list[tuple[int, TokenLogprobs | None]] = [(lp.token_id, lp) for lp in logprobs]
+        if first and self.body.echo:
+            text = self.prefix[choice.prompt_index] + text
+            prompt_entries = zip(
+                choice.prompt_token_ids, choice.prompt_logprobs or [], strict=False
+            )
+            entries = [*prompt_entries, *entries]
         return {
             "index": choice.index,
             "text": text,
-            "logprobs": completion_logprobs(self.state, logprobs)
+            "logprobs": completion_logprobs(self.state, entries)
             if self.body.logprobs is not None
             else None,
             "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
         }
 
     def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:

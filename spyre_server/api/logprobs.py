@@ -13,15 +13,21 @@ def token_text(state: ServerState, token_id: int) -> str:
     return str(state.tokenizer.decode([token_id]))
 
 
-def completion_logprobs(state: ServerState, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
-    tokens = [token_text(state, lp.token_id) for lp in logprobs]
+def completion_logprobs(
+    state: ServerState, entries: list[tuple[int, TokenLogprobs | None]]
+) -> dict[str, Any]:
+    """``entries``: each token id with its logprobs, ``None`` where it has none (the first
+    prompt token of an echo)."""
+    tokens = [token_text(state, token_id) for token_id, _ in entries]
     offsets = [0]
     for token in tokens[:-1]:
         offsets.append(offsets[-1] + len(token))
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{token_text(state, t): v for t, v in lp.top} for lp in logprobs],
+        "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
+        "top_logprobs": [
+            {token_text(state, t): v for t, v in lp.top} if lp else None for _, lp in entries
+        ],
         "text_offset": offsets if tokens else [],
     }
 

@@ -1,8 +1,13 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic; unknown fields are ignored)."""
+"""Request bodies of the OpenAI-compatible endpoints (pydantic).
+
+Unknown fields are refused (a typo such as ``max_token`` is a 400 naming it, never silently
+dropped). Fields of the OpenAI API that this server does not implement are declared, so that a
+request carrying them with a meaningful value gets a 400 naming the field (see
+``unsupported_fields``), while the neutral values some clients always send pass."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
@@ -25,14 +30,23 @@ Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+def _is_neutral(value: Any) -> bool:
+    """A value that asks for nothing: absent, null, false, empty."""
+    return value is None or value is False or value == [] or value == {} or value == ""
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: Text | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
+    """0 only with ``echo`` (completions): score the prompt, generate nothing."""
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
@@ -45,6 +59,51 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=300)
+    """Token id (as a string, as OpenAI's API has it) -> bias added to its logit (-100..100)."""
+    min_tokens: int = Field(0, ge=0)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    # Known OpenAI / vLLM fields this server does not implement (see ``unsupported_fields``).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    suffix: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; {key!r} is not one")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in -100..100, got {bias}")
+        return value
+
+    _unsupported_here: ClassVar[tuple[str, ...]] = ()
+    """Unsupported fields of this endpoint only."""
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields set to something this server cannot do; ``tool_choice: "none"`` and
+        ``parallel_tool_calls`` without tools ask for nothing."""
+        names = [
+            name
+            for name in (*_UNSUPPORTED, *self._unsupported_here)
+            if name in self.model_fields_set and not _is_neutral(getattr(self, name))
+        ]
+        if "tool_choice" in names and self.tool_choice in ("none", "auto") and not self.tools:
+            names.remove("tool_choice")
+        if "parallel_tool_calls" in names and not self.tools:
+            names.remove("parallel_tool_calls")
+        return names
 
     @field_validator("stop")
     @classmethod
@@ -59,6 +118,20 @@ class _SamplingFields(BaseModel):
     @property
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+_UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "suffix",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 class CompletionRequest(_SamplingFields):
@@ -81,15 +154,19 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    """Accepted and not passed on (the chat templates of the models served here ignore it)."""
 
     @property
     def text(self) -> str:
@@ -103,6 +180,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    echo: bool = False
+    """vLLM's chat ``echo`` (repeat the last message); not implemented."""
+
+    _unsupported_here: ClassVar[tuple[str, ...]] = (
+        "response_format",
+        "continue_final_message",
+        "echo",
+    )
+
+    def unsupported_fields(self) -> list[str]:
+        names = super().unsupported_fields()
+        if "response_format" in names and self.response_format == {"type": "text"}:
+            names.remove("response_format")  # plain text is what every answer is
+        return names
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -27,13 +27,22 @@ def server_state(request: Request) -> ServerState:
     return state
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+def check_request(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """What every generation endpoint refuses before any work: another model, a field this
+    server does not implement."""
+    if body.model is not None and body.model != state.model_name:
         raise APIError(
             404,
-            f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
             param="model",
             code="model_not_found",
+        )
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    unsupported = body.unsupported_fields()
+    if unsupported:
+        raise APIError(
+            400, f"{unsupported[0]!r} is not supported by this server", param=unsupported[0]
         )
 
 
@@ -41,8 +50,10 @@ def sampling_params(
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
     prompt: list[int],
+    *,
     logprobs: int | None,
     max_tokens: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for one prompt of ``body``."""
     return make_params(
@@ -55,7 +66,26 @@ def sampling_params(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(state, body.logit_bias),
+        min_tokens=body.min_tokens,
     )
+
+
+def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    pairs = tuple((int(token), value) for token, value in (bias or {}).items())
+    bad = next((t for t, _ in pairs if t >= state.limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"logit_bias names token id {bad}, outside the vocabulary "
+            f"(0..{state.limits.vocab_size - 1})",
+            param="logit_bias",
+        )
+    return pairs
 
 
 async def start_generation(

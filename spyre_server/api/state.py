@@ -22,3 +22,5 @@ class ServerState:
     metrics: ServerMetrics
     api_keys: APIKeys
     created: int
+    model_root: str
+    """The model folder the weights were loaded from (the model card's ``root``)."""

@@ -1,0 +1,343 @@
+"""API parity with vLLM's OpenAI server, through the official ``openai`` client and raw HTTP on
+the micro model: prompt logprobs (echo + logprobs, max_tokens 0) against a teacher-forced full
+forward, unknown and unsupported fields, penalties and logit_bias, stop_reason, model cards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from tests.spyre_server.http.helpers import (
+    CHUNK,
+    MODEL_NAME,
+    ByteChatTokenizer,
+    Server,
+    iter_sse,
+    json_payloads,
+    unique_text,
+)
+
+TOK = ByteChatTokenizer()
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def teacher_forced(model: Any, prompt: list[int]) -> torch.Tensor:
+    """Log-softmax rows of one full forward over the whole prompt (no cache, fms's default
+    attention): row t scores token t + 1."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)
+
+
+def assert_prompt_logprobs(logprobs: Any, prompt: list[int], rows: torch.Tensor, top: int) -> None:
+    assert logprobs.tokens[: len(prompt)] == [TOK.decode([t]) for t in prompt]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for t in range(1, len(prompt)):
+        expected = float(rows[t - 1, prompt[t]])
+        assert logprobs.token_logprobs[t] == pytest.approx(expected, abs=2e-4), t
+        values, ids = rows[t - 1].topk(top)
+        # keyed by token text, as OpenAI's format has it (tokens with equal text collapse)
+        expected_top = {
+            TOK.decode([i]): v for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+        }
+        got = logprobs.top_logprobs[t]
+        assert list(got) == list(expected_top)
+        assert list(got.values()) == pytest.approx(list(expected_top.values()), abs=2e-4)
+
+
+# --------------------------------------------------------------------------- prompt logprobs
+def test_echo_logprobs_match_a_teacher_forced_forward_across_chunks(
+    server: Server, http_micro_model: Any
+) -> None:
+    text = unique_text("echo-three-chunks", 2 * CHUNK + 40)  # 296 tokens: three prefill chunks
+    prompt = TOK.encode(text)
+    rows = teacher_forced(http_micro_model, prompt)
+    client = server.openai()
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=text, max_tokens=2, temperature=0, echo=True, logprobs=2
+    )
+    choice = out.choices[0]
+    assert choice.text.startswith(text)
+    assert len(choice.logprobs.tokens) == len(prompt) + 2
+    assert_prompt_logprobs(choice.logprobs, prompt, rows, 2)
+    # the first generated token is the argmax of the last prompt row, scored by it
+    first = int(rows[-1].argmax())
+    assert choice.logprobs.token_logprobs[len(prompt)] == pytest.approx(
+        float(rows[-1, first]), abs=2e-4
+    )
+    assert choice.logprobs.text_offset[:3] == [0, 1, 2]
+    assert out.usage.completion_tokens == 2
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(
+    server: Server, http_micro_model: Any
+) -> None:
+    """What evaluation harnesses send: the prompt's logprobs, no output, finish_reason length."""
+    prompt = TOK.encode("Scoring only, please.")
+    rows = teacher_forced(http_micro_model, prompt)
+    out = server.openai().completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    )
+    choice = out.choices[0]
+    assert choice.text == "Scoring only, please."
+    assert choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == len(prompt)
+    assert_prompt_logprobs(choice.logprobs, prompt, rows, 1)
+    assert out.usage.completion_tokens == 0
+    assert out.usage.prompt_tokens == len(prompt)
+    # echo without logprobs, max_tokens 0: the prompt text, no logprobs
+    plain = server.openai().completions.create(
+        model=MODEL_NAME, prompt="just echo", max_tokens=0, echo=True
+    )
+    assert plain.choices[0].text == "just echo" and plain.choices[0].logprobs is None
+
+
+def test_prompt_logprobs_skip_the_cache_lookup_and_still_register_blocks(server: Server) -> None:
+    text = unique_text("echo-cache", 3 * 64 + 5)  # three full blocks
+    client = server.openai()
+    for _ in range(2):
+        scored = client.completions.create(
+            model=MODEL_NAME, prompt=text, max_tokens=1, echo=True, logprobs=0, temperature=0
+        )
+        # the scoring request computes its whole prompt, whatever is cached
+        assert scored.usage.prompt_tokens_details.cached_tokens == 0
+    plain = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1, temperature=0)
+    # ...but its blocks were registered: a later plain request hits them (how many of the hit
+    # tokens count as cached depends on the backend's accounting rule, so only > 0 here)
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_streamed_echo_carries_the_prompt_and_its_logprobs_in_the_first_chunk(
+    server: Server, http_micro_model: Any
+) -> None:
+    prompt = TOK.encode("stream me")
+    rows = teacher_forced(http_micro_model, prompt)
+    with server.http().stream(
+        "POST",
+        COMPLETIONS,
+        json={
+            "prompt": "stream me",
+            "max_tokens": 3,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0,
+            "stream": True,
+        },
+    ) as response:
+        events = json_payloads(list(iter_sse(response)))
+    first = events[0]["choices"][0]
+    assert first["text"].startswith("stream me")
+    lp = first["logprobs"]
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1] == pytest.approx(float(rows[0, prompt[1]]), abs=2e-4)
+    assert len(lp["tokens"]) >= len(prompt)
+    total = sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"])
+    assert total == len(prompt) + 3
+
+
+def test_max_tokens_zero_without_echo_and_in_chat_is_400(server: Server) -> None:
+    response = server.http().post(COMPLETIONS, json={"prompt": "x", "max_tokens": 0})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+    response = server.http().post(CHAT, json={"messages": MESSAGES, "max_tokens": 0})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+
+
+# ------------------------------------------------------------------- unknown / unsupported
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        (COMPLETIONS, "max_token", 5),  # a typo
+        (CHAT, "max_token", 5),
+        (COMPLETIONS, "response_format", {"type": "json_object"}),  # chat only
+        (CHAT, "stream_options", {"include_usage": True, "typo": 1}),
+    ],
+)
+def test_unknown_fields_are_400_naming_them(
+    server: Server, path: str, field: str, value: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    body: dict[str, Any] = {"prompt": "x"} if path == COMPLETIONS else {"messages": MESSAGES}
+    body[field] = value
+    with caplog.at_level(logging.INFO, logger="spyre_server.api.errors"):
+        response = server.http().post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].split(".")[0] == field
+    assert "unknown field" in error["message"]
+    # the server log says why
+    assert any("400 POST" in r.getMessage() and field in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (CHAT, "tool_choice", "required"),
+        (CHAT, "response_format", {"type": "json_object"}),
+        (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        (CHAT, "continue_final_message", True),
+        (CHAT, "echo", True),
+        (COMPLETIONS, "suffix", "tail"),
+        (COMPLETIONS, "best_of", 3),
+        (CHAT, "guided_json", {"type": "object"}),
+    ],
+)
+def test_unsupported_fields_are_400_naming_them(
+    server: Server, path: str, field: str, value: Any
+) -> None:
+    body: dict[str, Any] = {"prompt": "x"} if path == COMPLETIONS else {"messages": MESSAGES}
+    body[field] = value
+    response = server.http().post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert field in error["message"]
+
+
+def test_neutral_values_of_unsupported_fields_pass(server: Server) -> None:
+    """Values some clients always send that ask for nothing."""
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 1,
+        "tools": [],
+        "tool_choice": "none",
+        "parallel_tool_calls": True,
+        "response_format": {"type": "text"},
+        "best_of": 1,
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "logit_bias": None,
+    }
+    response = server.http().post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+
+
+# ------------------------------------------------------------------ penalties and biases
+def reference_processed_greedy(
+    model: Any,
+    prompt: list[int],
+    steps: int,
+    *,
+    bias: dict[int, float] | None = None,
+    frequency: float = 0.0,
+    presence: float = 0.0,
+    repetition: float = 1.0,
+) -> list[int]:
+    """Greedy decoding by full forward passes, with OpenAI's / vLLM's logit adjustments written
+    out per token: the oracle of the vectorised processors."""
+    ids, out = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids]))[0, -1].float().tolist()
+            for token, b in (bias or {}).items():
+                logits[token] += b
+            for token in range(len(logits)):
+                if token in ids and repetition != 1.0:
+                    logit = logits[token]
+                    logits[token] = logit / repetition if logit > 0 else logit * repetition
+                count = out.count(token)
+                logits[token] -= frequency * count + presence * (count > 0)
+            best = max(range(len(logits)), key=lambda t: logits[t])
+            ids.append(best)
+            out.append(best)
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"bias": {90: 100.0}},
+        {"bias": {90: 3.0}, "frequency": 1.0},
+        {"bias": {90: 3.0}, "presence": 2.0},
+        {"repetition": 1.8},
+        {"bias": {65: -100.0, 66: 2.0}, "frequency": 0.5, "presence": 0.5, "repetition": 1.3},
+    ],
+    ids=["bias", "frequency", "presence", "repetition", "all"],
+)
+def test_logit_bias_and_penalties_match_a_per_token_reference(
+    server: Server, http_micro_model: Any, settings: dict[str, Any]
+) -> None:
+    prompt = TOK.encode("abcabc")
+    expected = reference_processed_greedy(http_micro_model, prompt, 8, **settings)
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 0,
+        "logit_bias": {str(t): b for t, b in settings.get("bias", {}).items()},
+        "frequency_penalty": settings.get("frequency", 0.0),
+        "presence_penalty": settings.get("presence", 0.0),
+        "repetition_penalty": settings.get("repetition", 1.0),
+    }
+    response = server.http().post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens == [TOK.decode([t]) for t in expected]
+    if settings.get("bias", {}).get(90, 0) >= 100:
+        assert expected == [90] * 8  # a bias of 100 wins every step
+    plain = reference_processed_greedy(http_micro_model, prompt, 8)
+    assert expected != plain  # every setting changes the output
+
+
+def test_logit_bias_outside_the_vocabulary_is_400(server: Server) -> None:
+    response = server.http().post(COMPLETIONS, json={"prompt": "x", "logit_bias": {"256": 1}})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "logit_bias"
+
+
+def test_min_tokens_and_stop_reason(make_server: Any) -> None:
+    eos = 90
+    server = make_server(eos_token_id=eos)
+    client = server.openai()
+    early = client.completions.create(
+        model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logit_bias={str(eos): 100}
+    )
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens == 1
+    assert early.choices[0].model_extra["stop_reason"] is None  # EOS
+    held = client.completions.create(
+        model=MODEL_NAME,
+        prompt="abc",
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 3},
+    )
+    assert held.usage.completion_tokens == 4  # 3 forced non-EOS tokens, then EOS
+    by_token = client.completions.create(
+        model=MODEL_NAME,
+        prompt="abc",
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"65": 100},
+        extra_body={"stop_token_ids": [65]},
+    )
+    assert by_token.choices[0].model_extra["stop_reason"] == 65
+    by_string = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"65": 100},
+        stop=["AA"],
+    )
+    assert by_string.choices[0].finish_reason == "stop"
+    assert by_string.choices[0].model_extra["stop_reason"] == "AA"
+
+
+# ----------------------------------------------------------------------------- model cards
+def test_models_retrieve_and_card_fields(server: Server) -> None:
+    client = server.openai()
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME
+    assert card.model_extra["root"] == MODEL_NAME  # the micro model's path is its name
+    assert card.model_extra["parent"] is None
+    listed = client.models.list().data
+    assert [m.model_dump() for m in listed] == [card.model_dump()]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
