@@ -26,7 +26,6 @@ async def retrieve_model(
         raise APIError(
             404,
             f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
-            param="model",
             code="model_not_found",
         )
     return model_card(state)

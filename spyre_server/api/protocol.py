@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 16
@@ -27,6 +28,10 @@ def _encodable(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 """A string that can be encoded as UTF-8 (JSON's \\ud800 escapes can produce one that cannot)."""
+
+
+Unsupported = SkipJsonSchema[Any]
+"""A field this server does not implement: accepted with a neutral value only."""
 
 
 class StreamOptions(BaseModel):
@@ -66,17 +71,18 @@ class _SamplingFields(BaseModel):
     """Token id (as a string, as OpenAI's API has it) -> bias added to its logit (-100..100)."""
     min_tokens: int = Field(0, ge=0)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    # Known OpenAI / vLLM fields this server does not implement (see ``unsupported_fields``).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    suffix: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # Known OpenAI / vLLM fields this server does not implement (see ``unsupported_fields``);
+    # left out of the OpenAPI schema, which lists what the server does.
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    parallel_tool_calls: Unsupported = None
+    suffix: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -180,9 +186,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    continue_final_message: bool = False
-    echo: bool = False
+    response_format: Unsupported = None
+    continue_final_message: Unsupported = None
+    echo: Unsupported = None
     """vLLM's chat ``echo`` (repeat the last message); not implemented."""
 
     _unsupported_here: ClassVar[tuple[str, ...]] = (
