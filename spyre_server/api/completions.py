@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -41,26 +42,27 @@ async def create_completion(
             "max_tokens must be at least 1; 0 is accepted with echo (to score the prompt)",
             param="max_tokens",
         )
+    _check_best_of(body)
     prompts = _prompts(state, body.prompt)
+    ranked = body.num_samples > body.n  # ranking the samples needs their logprobs
     params = [
         sampling_params(
             state,
             body,
             p,
-            logprobs=body.logprobs,
+            logprobs=body.logprobs if body.logprobs is not None or not ranked else 0,
             max_tokens=body.max_tokens,
             prompt_logprobs=_prompt_logprobs(body),
         )
         for p in prompts
     ]
-    generation = await start_generation(state, request, body, prompts, params)
+    generation = await start_generation(state, request, body, prompts, params, body.num_samples)
     response = _Response(state, body, f"cmpl-{request.state.request_id}", prompts)
 
     if not body.stream:
         await run_to_end(generation, request)
-        out = response.envelope(
-            [response.choice(c, c.text, c.logprobs, True) for c in generation.choices]
-        )
+        choices = best_of(generation.choices, body.n) if ranked else generation.choices
+        out = response.envelope([response.choice(c, c.text, c.logprobs, True) for c in choices])
         out["usage"] = generation.usage()
         return JSONResponse(out)
 
@@ -78,6 +80,30 @@ async def create_completion(
             yield sse(usage)
 
     return sse_response(events())
+
+
+def _check_best_of(body: CompletionRequest) -> None:
+    if body.best_of is None:
+        return
+    if body.best_of < body.n:
+        raise APIError(400, f"best_of ({body.best_of}) must be >= n ({body.n})", param="best_of")
+    if body.best_of > body.n and body.stream:
+        raise APIError(400, "best_of > n cannot be streamed", param="best_of")
+
+
+def best_of(choices: list[Choice], n: int) -> list[Choice]:
+    """Per prompt, the ``n`` samples of highest cumulative logprob (ties: the earlier sample),
+    re-indexed ``prompt_index * n + rank``."""
+    kept: list[Choice] = []
+    by_prompt: dict[int, list[Choice]] = {}
+    for choice in choices:
+        by_prompt.setdefault(choice.prompt_index, []).append(choice)
+    for prompt_index in sorted(by_prompt):
+        samples = by_prompt[prompt_index]
+        ranked = sorted(samples, key=lambda c: -sum(lp.logprob for lp in c.logprobs))
+        for rank, choice in enumerate(ranked[:n]):
+            kept.append(dataclasses.replace(choice, index=prompt_index * n + rank))
+    return kept
 
 
 def _prompt_logprobs(body: CompletionRequest) -> int | None:

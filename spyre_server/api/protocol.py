@@ -70,7 +70,6 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=300)
     """Token id (as a string, as OpenAI's API has it) -> bias added to its logit (-100..100)."""
     min_tokens: int = Field(0, ge=0)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
     # Known OpenAI / vLLM fields this server does not implement (see ``unsupported_fields``);
     # left out of the OpenAPI schema, which lists what the server does.
     tools: Unsupported = None
@@ -144,6 +143,13 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[NonNegInt] | list[list[NonNegInt]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    """Generate this many samples per prompt and return the ``n`` of highest cumulative
+    logprob (not with ``stream``); ``None``: ``n``."""
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
 
     @field_validator("prompt")
     @classmethod

@@ -37,8 +37,6 @@ def check_request(state: ServerState, body: CompletionRequest | ChatCompletionRe
             param="model",
             code="model_not_found",
         )
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of other than n is not supported", param="best_of")
     unsupported = body.unsupported_fields()
     if unsupported:
         raise APIError(
@@ -94,17 +92,20 @@ async def start_generation(
     body: CompletionRequest | ChatCompletionRequest,
     prompts: list[list[int]],
     params: list[SamplingParams],
+    num_samples: int | None = None,
 ) -> Generation:
-    """Queue ``body.n`` samples of every prompt; an HTTP error if the server cannot take them."""
+    """Queue ``num_samples`` (default ``body.n``) samples of every prompt; an HTTP error if the
+    server cannot take them."""
     api_key = state.api_keys.key_of(request)
-    num_sequences = len(prompts) * body.n
+    num_samples = num_samples or body.n
+    num_sequences = len(prompts) * num_samples
     max_waiting = state.limits.max_waiting
     if num_sequences > max_waiting:
         raise APIError(
             400,
             f"this request asks for {num_sequences} sequences (prompts x n), more than the "
             f"{max_waiting} the server queues at once",
-            param="prompt" if len(prompts) > 1 else "n",
+            param="prompt" if len(prompts) > 1 else ("n" if num_samples == body.n else "best_of"),
         )
     if state.engine.num_waiting + num_sequences > max_waiting:
         raise APIError(429, "the server is busy: too many requests are waiting", code="queue_full")
@@ -117,7 +118,7 @@ async def start_generation(
         request.state.request_id,
         prompts,
         params,
-        body.n,
+        num_samples,
         salt,
     )
     await generation.start()

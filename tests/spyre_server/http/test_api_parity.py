@@ -184,7 +184,6 @@ def test_unknown_fields_are_400_naming_them(
         (CHAT, "continue_final_message", True),
         (CHAT, "echo", True),
         (COMPLETIONS, "suffix", "tail"),
-        (COMPLETIONS, "best_of", 3),
         (CHAT, "guided_json", {"type": "object"}),
     ],
 )
@@ -209,7 +208,6 @@ def test_neutral_values_of_unsupported_fields_pass(server: Server) -> None:
         "tool_choice": "none",
         "parallel_tool_calls": True,
         "response_format": {"type": "text"},
-        "best_of": 1,
         "frequency_penalty": 0,
         "presence_penalty": 0,
         "logit_bias": None,
@@ -341,3 +339,30 @@ def test_models_retrieve_and_card_fields(server: Server) -> None:
     assert [m.model_dump() for m in listed] == [card.model_dump()]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other-model")
+
+
+# ------------------------------------------------------------------------------------ best_of
+def test_best_of_returns_the_samples_of_highest_cumulative_logprob(server: Server) -> None:
+    client = server.openai()
+    common: dict[str, Any] = {"model": MODEL_NAME, "prompt": "best of", "max_tokens": 6, "seed": 7}
+    # the oracle: the same seeded samples, all returned with their logprobs (sample j of a
+    # seeded request uses seed + j, with best_of as with n)
+    every = client.completions.create(n=4, logprobs=0, **common)
+    scores = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    order = sorted(range(4), key=lambda j: -scores[j])
+    best = client.completions.create(n=1, best_of=4, **common)
+    assert [c.text for c in best.choices] == [every.choices[order[0]].text]
+    assert best.choices[0].logprobs is None  # not asked for
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all 4 were generated
+    two = client.completions.create(n=2, best_of=4, logprobs=0, **common)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [every.choices[j].text for j in order[:2]]
+
+
+@pytest.mark.parametrize(
+    "body", [{"n": 3, "best_of": 2}, {"best_of": 3, "stream": True}], ids=["below-n", "stream"]
+)
+def test_best_of_below_n_or_streamed_is_400(server: Server, body: dict[str, Any]) -> None:
+    response = server.http().post(COMPLETIONS, json={"prompt": "x", **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "best_of"
