@@ -121,6 +121,10 @@ class LLMEngine:
         )
         stop_ids = (*params.stop_token_ids, *(() if eos_token_id is None else (eos_token_id,)))
         sampling = SequenceSampling(params, tuple(prompt_token_ids), [], stop_ids)
+        if params.grammar is not None:
+            sampling.grammar = params.grammar.matcher(
+                () if eos_token_id is None else (eos_token_id,)
+            )
         self._sampling[request_id] = sampling
         self._states[request_id] = _RequestState(
             params=params,
@@ -167,6 +171,7 @@ class LLMEngine:
             finish_reason = out.finish_reason
             text_token_ids = out.new_token_ids
             state.sampling.output_token_ids += out.new_token_ids
+            grammar_done = self._advance_grammar(state, out.new_token_ids)
             first_prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
             if state.params.max_tokens == 0:  # scoring only: the sampled token is not output
                 deltas.append(self._scored_only(out, state, first_prompt_logprobs))
@@ -179,8 +184,11 @@ class LLMEngine:
                 stop_reason = text_token_ids[-1]
                 text_token_ids = text_token_ids[:-1]  # a stop token's text is not output
             text, stopped = state.detokenizer.add_tokens(
-                text_token_ids, finished=finish_reason is not None
+                text_token_ids, finished=finish_reason is not None or grammar_done
             )
+            if grammar_done and not stopped and finish_reason is None:
+                self.scheduler.finish_request(out.request_id, FinishReason.STOP)
+                finish_reason = FinishReason.STOP
             if stopped and finish_reason is None:
                 self.scheduler.finish_request(out.request_id, FinishReason.STOP)
             if stopped:
@@ -203,6 +211,18 @@ class LLMEngine:
             if finish_reason is not None:
                 self._forget(out.request_id)
         return deltas
+
+    def _advance_grammar(self, state: _RequestState, token_ids: Sequence[int]) -> bool:
+        """Feed sampled tokens to the request's grammar; True once it is complete (or, which
+        the token mask prevents, broken)."""
+        grammar = state.sampling.grammar
+        if grammar is None:
+            return False
+        for token_id in token_ids:
+            if not grammar.accept(token_id):
+                logger.warning("token %d is outside the request's grammar; stopping", token_id)
+                return True
+        return grammar.is_terminated
 
     def _scored_only(
         self,

@@ -1,5 +1,6 @@
 """Changes to the logits before a token is chosen, vectorised over the rows that ask for them:
-``min_tokens``, ``logit_bias``, then repetition, frequency and presence penalties (vLLM's order).
+``min_tokens``, ``logit_bias``, then repetition, frequency and presence penalties (vLLM's order),
+and last the structured-output grammar's token mask.
 
 Python loops only run over rows and their token lists (to build index tensors), never over the
 vocabulary.
@@ -26,7 +27,8 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SequenceSamplin
     ]
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     penalised = [i for i, r in enumerate(rows) if _has_penalty(r)]
-    if not (masked or biased or penalised):
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not (masked or biased or penalised or constrained):
         return logits
     logits = logits.clone()
     vocab = logits.shape[1]
@@ -40,6 +42,12 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SequenceSamplin
         logits.index_put_((index[:, 0], index[:, 1]), values, accumulate=True)
     if penalised:
         logits[penalised] = _penalise(logits[penalised], [rows[i] for i in penalised])
+    if constrained:
+        from spyre_server.structured_output import apply_grammars
+
+        part = logits[constrained]
+        apply_grammars(part, [rows[i].grammar for i in constrained])  # type: ignore[misc]
+        logits[constrained] = part
     return logits
 
 

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spyre_server.structured_output import Grammar, GrammarState
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -38,6 +42,9 @@ class SamplingParams:
     """(token id, bias) pairs added to the logits before sampling (-100..100)."""
     min_tokens: int = 0
     """EOS and ``stop_token_ids`` cannot be sampled before this many tokens were generated."""
+    grammar: Grammar | None = None
+    """Structured output: only tokens this grammar allows are sampled; the sequence ends when
+    it is complete (at EOS, or right away when there is no EOS)."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -98,6 +105,8 @@ class SequenceSampling:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     min_tokens_stop_ids: tuple[int, ...] = ()
+    grammar: GrammarState | None = None
+    """The sequence's matcher of ``params.grammar``; the engine advances it."""
 
 
 @dataclass(frozen=True, slots=True)

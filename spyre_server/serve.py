@@ -28,6 +28,7 @@ from spyre_server.model.loading import (
     resolve_dtype,
     resolve_model_path,
 )
+from spyre_server.structured_output import GrammarCompiler
 
 logger = logging.getLogger("spyre_server")
 
@@ -60,6 +61,7 @@ def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = No
         api_keys=APIKeys(config.server.api_keys, salt_secret(config.cache.hash_seed)),
         created=int(time.time()),
         model_root=str(loaded.path),
+        grammars=GrammarCompiler(loaded.tokenizer, loaded.vocab_size),
     )
     return create_app(state)
 

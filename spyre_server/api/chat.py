@@ -14,6 +14,7 @@ from spyre_server.api.logprobs import chat_logprobs
 from spyre_server.api.protocol import ChatCompletionRequest
 from spyre_server.api.serving import (
     check_request,
+    compile_response_format,
     now,
     run_to_end,
     sampling_params,
@@ -41,8 +42,16 @@ async def create_chat_completion(
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
+    grammar = await compile_response_format(state, body)
     params = [
-        sampling_params(state, body, prompt, logprobs=num_top, max_tokens=body.max_new_tokens)
+        sampling_params(
+            state,
+            body,
+            prompt,
+            logprobs=num_top,
+            max_tokens=body.max_new_tokens,
+            grammar=grammar,
+        )
     ]
     generation = await start_generation(state, request, body, [prompt], params)
     response = _Response(state, body, f"chatcmpl-{request.state.request_id}")

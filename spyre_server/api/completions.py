@@ -15,6 +15,7 @@ from spyre_server.api.logprobs import completion_logprobs
 from spyre_server.api.protocol import CompletionRequest
 from spyre_server.api.serving import (
     check_request,
+    compile_response_format,
     now,
     run_to_end,
     sampling_params,
@@ -45,6 +46,7 @@ async def create_completion(
     _check_best_of(body)
     prompts = _prompts(state, body.prompt)
     ranked = body.num_samples > body.n  # ranking the samples needs their logprobs
+    grammar = await compile_response_format(state, body)
     params = [
         sampling_params(
             state,
@@ -53,6 +55,7 @@ async def create_completion(
             logprobs=body.logprobs if body.logprobs is not None or not ranked else 0,
             max_tokens=body.max_tokens,
             prompt_logprobs=_prompt_logprobs(body),
+            grammar=grammar,
         )
         for p in prompts
     ]

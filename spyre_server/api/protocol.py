@@ -70,6 +70,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=300)
     """Token id (as a string, as OpenAI's API has it) -> bias added to its logit (-100..100)."""
     min_tokens: int = Field(0, ge=0)
+    response_format: dict[str, Any] | None = None
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``."""
     # Known OpenAI / vLLM fields this server does not implement (see ``unsupported_fields``);
     # left out of the OpenAPI schema, which lists what the server does.
     tools: Unsupported = None
@@ -192,22 +194,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: Unsupported = None
     continue_final_message: Unsupported = None
     echo: Unsupported = None
     """vLLM's chat ``echo`` (repeat the last message); not implemented."""
 
-    _unsupported_here: ClassVar[tuple[str, ...]] = (
-        "response_format",
-        "continue_final_message",
-        "echo",
-    )
-
-    def unsupported_fields(self) -> list[str]:
-        names = super().unsupported_fields()
-        if "response_format" in names and self.response_format == {"type": "text"}:
-            names.remove("response_format")  # plain text is what every answer is
-        return names
+    _unsupported_here: ClassVar[tuple[str, ...]] = ("continue_final_message", "echo")
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -17,6 +17,7 @@ from spyre_server.api.generation import Generation, make_params, resolve_max_tok
 from spyre_server.api.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_server.api.state import ServerState
 from spyre_server.sampling import SamplingParams
+from spyre_server.structured_output import Grammar, StructuredOutputError
 
 _DISCONNECT_POLL_SECONDS = 0.5
 
@@ -44,6 +45,19 @@ def check_request(state: ServerState, body: CompletionRequest | ChatCompletionRe
         )
 
 
+async def compile_response_format(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest
+) -> Grammar | None:
+    """The grammar of ``body.response_format`` (off the event loop: the first compile reads
+    the whole vocabulary)."""
+    if body.response_format is None:
+        return None
+    try:
+        return await asyncio.to_thread(state.grammars.compile, body.response_format)
+    except StructuredOutputError as exc:
+        raise APIError(400, str(exc), param="response_format") from None
+
+
 def sampling_params(
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
@@ -52,6 +66,7 @@ def sampling_params(
     logprobs: int | None,
     max_tokens: int | None,
     prompt_logprobs: int | None = None,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     """The engine's parameters for one prompt of ``body``."""
     return make_params(
@@ -70,6 +85,7 @@ def sampling_params(
         repetition_penalty=body.repetition_penalty,
         logit_bias=_logit_bias(state, body.logit_bias),
         min_tokens=body.min_tokens,
+        grammar=grammar,
     )
 
 

@@ -10,6 +10,7 @@ from spyre_server.api.generation import GenerationLimits
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.async_engine import AsyncEngine
 from spyre_server.config import Config
+from spyre_server.structured_output import GrammarCompiler
 
 
 @dataclass(slots=True)
@@ -24,3 +25,5 @@ class ServerState:
     created: int
     model_root: str
     """The model folder the weights were loaded from (the model card's ``root``)."""
+    grammars: GrammarCompiler
+    """Compiles ``response_format`` for this tokenizer."""

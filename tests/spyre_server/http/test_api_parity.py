@@ -4,6 +4,7 @@ forward, unknown and unsupported fields, penalties and logit_bias, stop_reason, 
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -155,7 +156,6 @@ def test_max_tokens_zero_without_echo_and_in_chat_is_400(server: Server) -> None
     [
         (COMPLETIONS, "max_token", 5),  # a typo
         (CHAT, "max_token", 5),
-        (COMPLETIONS, "response_format", {"type": "json_object"}),  # chat only
         (CHAT, "stream_options", {"include_usage": True, "typo": 1}),
     ],
 )
@@ -179,8 +179,6 @@ def test_unknown_fields_are_400_naming_them(
     [
         (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT, "tool_choice", "required"),
-        (CHAT, "response_format", {"type": "json_object"}),
-        (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
         (CHAT, "continue_final_message", True),
         (CHAT, "echo", True),
         (COMPLETIONS, "suffix", "tail"),
@@ -366,3 +364,92 @@ def test_best_of_below_n_or_streamed_is_400(server: Server, body: dict[str, Any]
     response = server.http().post(COMPLETIONS, json={"prompt": "x", **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "best_of"
+
+
+# ------------------------------------------------------------------------- structured output
+YES_NO = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"enum": ["yes", "no"]}},
+            "required": ["answer"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("eos_token_id", [None, 0], ids=["no-eos", "eos"])
+def test_json_schema_output_follows_the_schema(make_server: Any, eos_token_id: int | None) -> None:
+    """The random micro model never writes JSON by itself: every answer here is the grammar's.
+    Without EOS the answer ends when the grammar is complete; with one, at EOS."""
+    server = make_server(eos_token_id=eos_token_id)
+    client = server.openai()
+    answers = set()
+    for seed in range(6):
+        out = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=40,
+            temperature=1.5,
+            seed=seed,
+            response_format=YES_NO,
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", choice
+        answers.add(json.loads(choice.message.content)["answer"])
+        assert set(json.loads(choice.message.content)) == {"answer"}
+    assert answers <= {"yes", "no"}
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain.choices[0].message.content)
+
+
+def test_json_object_through_completions_streaming(server: Server) -> None:
+    """json_object: the first token must open an object; a bias on "}" then closes it."""
+    body = {
+        "prompt": "x",
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+        "response_format": {"type": "json_object"},
+        "logit_bias": {"125": 50},  # "}"
+    }
+    with server.http().stream("POST", COMPLETIONS, json=body) as response:
+        events = json_payloads(list(iter_sse(response)))
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert text == "{}"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "yaml"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+        {"type": "json_schema", "json_schema": "not an object"},
+    ],
+)
+def test_bad_response_format_is_400(server: Server, response_format: Any) -> None:
+    body = {"messages": MESSAGES, "response_format": response_format}
+    response = server.http().post(CHAT, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format"
+
+
+def test_grammar_mask_allows_exactly_the_grammars_next_tokens() -> None:
+    from spyre_server.structured_output import GrammarCompiler, apply_grammars
+
+    grammars = GrammarCompiler(TOK, 256)
+    grammar = grammars.compile({"type": "json_object"})
+    assert grammar is not None and grammars.compile({"type": "text"}) is None
+    states = [grammar.matcher(()), grammar.matcher(())]
+    assert states[1].accept(ord("{"))
+    logits = torch.zeros(2, 256)
+    apply_grammars(logits, states)
+    assert (logits[0] == 0).nonzero().flatten().tolist() == [ord("{")]
+    # after "{" (no free whitespace): a key's quote or the closing brace
+    assert (logits[1] == 0).nonzero().flatten().tolist() == [ord('"'), ord("}")]
+    assert bool((logits[logits != 0] == float("-inf")).all())
