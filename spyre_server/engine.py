@@ -64,7 +64,8 @@ class _RequestState:
         """Score the prompt tokens that follow the positions of ``rows`` (log-softmax rows from
         ``first_position`` on). A recomputed position (after a preemption) is not scored again."""
         collected = self.prompt_logprobs
-        assert collected is not None and self.params.prompt_logprobs is not None
+        if collected is None or self.params.prompt_logprobs is None:
+            return  # handed out already: this is a recompute after a preemption
         prompt = self.sampling.prompt_token_ids
         start = len(collected) - 1 - first_position  # first row whose target is not scored yet
         end = min(len(prompt) - 1 - first_position, rows.shape[0])
