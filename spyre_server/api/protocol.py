@@ -38,7 +38,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 def _is_neutral(value: Any) -> bool:

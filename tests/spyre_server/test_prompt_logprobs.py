@@ -93,3 +93,20 @@ def test_a_preempted_request_is_scored_once_and_generates_the_same(
     scored = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
     assert len(scored) == 1  # handed out once, not again after the recompute
     assert_scored(scored[0], PROMPT, teacher_forced(micro_model, PROMPT), 1)
+
+
+def test_offline_llm_returns_prompt_logprobs_and_stop_reason(
+    make_engine: MakeEngine, micro_model: Any
+) -> None:
+    from spyre_server.offline import LLM
+
+    params = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        prompt_logprobs=0,
+        stop_token_ids=(65,),
+        logit_bias=((65, 100.0),),
+    )
+    [out] = LLM(make_engine()).generate([PROMPT], params)
+    assert_scored(out.prompt_logprobs or [], PROMPT, teacher_forced(micro_model, PROMPT), 0)
+    assert out.token_ids == [65] and out.stop_reason == 65
