@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from spyre_server.api.app import create_app
 from spyre_server.api.auth import APIKeys, salt_secret
 from spyre_server.api.generation import GenerationLimits
+from spyre_server.api.generation_defaults import GenerationDefaults
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.api.state import ServerState
 from spyre_server.async_engine import AsyncEngine
@@ -62,6 +63,7 @@ def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = No
         created=int(time.time()),
         model_root=str(loaded.path),
         grammars=GrammarCompiler(loaded.tokenizer, loaded.vocab_size),
+        generation_defaults=GenerationDefaults.read(loaded.path),
     )
     return create_app(state)
 

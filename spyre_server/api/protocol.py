@@ -51,8 +51,10 @@ class _SamplingFields(BaseModel):
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=0)
     """0 only with ``echo`` (completions): score the prompt, generate nothing."""
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # Sampling fields left out (None) take the model's generation_config.json value, else
+    # OpenAI's default (temperature 1, top_p 1, no top_k, repetition_penalty 1).
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Text | list[Text] | None = None
@@ -65,7 +67,7 @@ class _SamplingFields(BaseModel):
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=300)
     """Token id (as a string, as OpenAI's API has it) -> bias added to its logit (-100..100)."""
     min_tokens: int = Field(0, ge=0)

@@ -68,12 +68,14 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     grammar: Grammar | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for one prompt of ``body``."""
+    """The engine's parameters for one prompt of ``body``; sampling fields it leaves out take
+    the model's defaults, else OpenAI's."""
+    model = state.generation_defaults
     return make_params(
         max_tokens=resolve_max_tokens(max_tokens, len(prompt), state.limits),
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
+        temperature=_first(body.temperature, model.temperature, 1.0),
+        top_p=_first(body.top_p, model.top_p, 1.0),
+        top_k=body.top_k if body.top_k is not None else model.top_k,
         seed=body.seed,
         stop=tuple(body.stop_list),
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -82,11 +84,17 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=_first(body.repetition_penalty, model.repetition_penalty, 1.0),
         logit_bias=_logit_bias(state, body.logit_bias),
         min_tokens=body.min_tokens,
         grammar=grammar,
     )
+
+
+def _first(requested: float | None, model_default: float | None, openai_default: float) -> float:
+    if requested is not None:
+        return requested
+    return model_default if model_default is not None else openai_default
 
 
 def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

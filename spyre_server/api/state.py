@@ -7,6 +7,7 @@ from typing import Any
 
 from spyre_server.api.auth import APIKeys
 from spyre_server.api.generation import GenerationLimits
+from spyre_server.api.generation_defaults import GenerationDefaults
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.async_engine import AsyncEngine
 from spyre_server.config import Config
@@ -27,3 +28,5 @@ class ServerState:
     """The model folder the weights were loaded from (the model card's ``root``)."""
     grammars: GrammarCompiler
     """Compiles ``response_format`` for this tokenizer."""
+    generation_defaults: GenerationDefaults
+    """The model's sampling defaults, for the fields a request leaves out."""

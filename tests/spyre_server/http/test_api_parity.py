@@ -19,6 +19,7 @@ from tests.spyre_server.http.helpers import (
     Server,
     iter_sse,
     json_payloads,
+    start_server,
     unique_text,
 )
 
@@ -453,3 +454,57 @@ def test_grammar_mask_allows_exactly_the_grammars_next_tokens() -> None:
     # after "{" (no free whitespace): a key's quote or the closing brace
     assert (logits[1] == 0).nonzero().flatten().tolist() == [ord('"'), ord("}")]
     assert bool((logits[logits != 0] == float("-inf")).all())
+
+
+# ---------------------------------------------------------------------- generation defaults
+def test_the_models_generation_config_sets_the_defaults(
+    http_micro_model: Any, one_torch_thread: None, tmp_path: Any
+) -> None:
+    """A model folder whose generation_config.json says temperature 0: requests that leave
+    temperature out are greedy; a request's own temperature still wins."""
+    import dataclasses
+
+    from spyre_server.serve import build_app
+    from tests.spyre_server.http.helpers import micro_config, micro_loaded, reference_greedy
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 0}')
+    loaded = dataclasses.replace(micro_loaded(http_micro_model), path=tmp_path)
+    server = start_server(build_app(micro_config(), loaded))
+    try:
+        client = server.openai()
+        expected = [s.token_id for s in reference_greedy(http_micro_model, TOK.encode("abc"), 6, 0)]
+        for _ in range(2):
+            out = client.completions.create(
+                model=MODEL_NAME, prompt="abc", max_tokens=6, logprobs=0
+            )
+            tokens = out.choices[0].logprobs.tokens
+            assert tokens == [TOK.decode([t]) for t in expected]
+        hot = client.completions.create(
+            model=MODEL_NAME, prompt="abc", max_tokens=6, logprobs=0, temperature=2.0, seed=3
+        )
+        assert hot.choices[0].logprobs.tokens != [TOK.decode([t]) for t in expected]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, {}),
+        ("not json", {}),
+        ('{"bos_token_id": 1, "eos_token_id": 2}', {}),  # SmolLM2's: no sampling defaults
+        (
+            '{"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}',
+            {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05},
+        ),
+        ('{"temperature": true, "top_k": 0}', {}),
+    ],
+)
+def test_generation_defaults_read_only_sampling_numbers(
+    tmp_path: Any, content: str | None, expected: dict[str, float]
+) -> None:
+    from spyre_server.api.generation_defaults import GenerationDefaults
+
+    if content is not None:
+        (tmp_path / "generation_config.json").write_text(content)
+    assert GenerationDefaults.read(tmp_path) == GenerationDefaults(**expected)
