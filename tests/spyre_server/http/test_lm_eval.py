@@ -18,13 +18,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.spyre_server.http.helpers import Server, start_server
+from tests.spyre_server.http.helpers import Server
 
 pytestmark = pytest.mark.slow
 
@@ -55,27 +54,6 @@ def lm_eval_venv() -> Path:
         )
         done.write_text(LM_EVAL + "\n")
     return root
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_loaded: Any) -> Iterator[Server]:
-    import torch
-
-    from spyre_server.config import load_config
-    from spyre_server.serve import build_app
-
-    config = load_config(
-        environ={},
-        overrides={"cache.num_blocks": 200, "model.max_model_len": 2048, "model.dtype": "float32"},
-    )
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    server = start_server(build_app(config, smollm2_loaded))
-    try:
-        yield server
-    finally:
-        server.close()
-        torch.set_num_threads(previous)
 
 
 def run_lm_eval(venv: Path, out: Path, model: str, model_args: str, tasks: str) -> None:
