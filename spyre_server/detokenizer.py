@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         "_stop",
         "_token_ids",
         "_tokenizer",
+        "stop_string",
         "text",
     )
 
@@ -43,6 +44,8 @@ class IncrementalDetokenizer:
         self._hold_back = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
         """The output text so far (cut before a stop string once one is found)."""
+        self.stop_string: str | None = None
+        """The stop string found, if one was."""
         self._emitted = 0
 
     def add_tokens(self, token_ids: Sequence[int], finished: bool) -> tuple[str, bool]:
@@ -71,9 +74,10 @@ class IncrementalDetokenizer:
             return False
         search_from = max(0, len(self.text) - self._hold_back)
         self.text += new_text
-        cut = self._find_stop(search_from)
-        if cut is None:
+        found = self._find_stop(search_from)
+        if found is None:
             return False
+        cut, self.stop_string = found
         self.text = self.text[:cut]
         return True
 
@@ -89,6 +93,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(ids)
         return full_text[len(prefix_text) :]
 
-    def _find_stop(self, search_from: int) -> int | None:
-        found = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
-        return min(found) if found else None
+    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        """The earliest stop string in the text (the first listed on a tie) and where it is."""
+        found = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        return min(found, key=lambda f: f[0]) if found else None

@@ -31,6 +31,9 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token (``None`` first)."""
+    stop_reason: int | str | None = None
 
 
 class LLM:
@@ -76,7 +79,10 @@ class LLM:
                 out.token_ids += delta.token_ids
                 out.logprobs += delta.logprobs
                 out.num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
+                    out.stop_reason = delta.stop_reason
                     out.finish_reason = delta.finish_reason
                     out.error = delta.error
                     pending.discard(delta.request_id)

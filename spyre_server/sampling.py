@@ -1,4 +1,5 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds, logprobs).
+"""The batched sampler (greedy, temperature, top-k, top-p, seeds, logprobs); the logits processors
+(penalties, biases, min_tokens) run first, see logits_processors.py.
 
 Everything is vectorised over the batch; only rows with a seed draw their random number from their
 own generator. A seeded row's randomness depends only on (seed, position), so the same seed gives
@@ -13,56 +14,28 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20
+from spyre_server.logits_processors import apply_logits_processors
+from spyre_server.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SequenceSampling,
+    TokenLogprobs,
+)
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "SampleResult",
+    "SamplingParams",
+    "SequenceSampling",
+    "TokenLogprobs",
+    "prompt_logprobs",
+    "sample",
+]
+
 CANDIDATES = 256
 """Top-k / top-p sort only this many of the best tokens first (see ``_top_k_top_p``)."""
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK_63 = (1 << 63) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    """Strings that end the output; the stop string itself is not returned."""
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    """Return the sampled token's logprob and this many top alternatives (0..20)."""
-
-    def __post_init__(self) -> None:
-        errors = []
-        if self.max_tokens < 1:
-            errors.append(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            errors.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            errors.append(f"top_k must be >= 1 or unset, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            errors.append(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            errors.append("stop strings must not be empty")
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-    """The most likely tokens and their logprobs, best first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +45,18 @@ class SampleResult:
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: torch.Tensor,
+    rows: Sequence[SamplingParams | SequenceSampling],
+    positions: Sequence[int],
 ) -> SampleResult:
     """Sample one token per row of ``logits`` ``[batch, vocab]``; ``positions[i]`` is the position
-    the sampled token will take (it keys the seeded randomness)."""
-    logits = logits.float()
+    the sampled token will take (it keys the seeded randomness). A row given as bare
+    ``SamplingParams`` has no history (no tokens so far). Logprobs are those of the model's
+    logits, before temperature, penalties and biases (as vLLM's default)."""
+    sequences = [r if isinstance(r, SequenceSampling) else SequenceSampling(r) for r in rows]
+    params = [s.params for s in sequences]
+    raw = logits.float()
+    logits = apply_logits_processors(raw, sequences)
     batch = logits.shape[0]
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -90,20 +70,40 @@ def sample(
     logprobs: list[TokenLogprobs | None] = [None] * batch
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        rows = torch.log_softmax(logits[wanted], dim=-1)
-        num_top = max(params[i].logprobs or 0 for i in wanted)
-        top_values, top_ids = rows.topk(max(num_top, 1), dim=-1)
-        chosen = rows.gather(1, token_ids[wanted].unsqueeze(1)).squeeze(1)
-        for row, i in enumerate(wanted):
-            n = params[i].logprobs or 0
-            logprobs[i] = TokenLogprobs(
-                token_id=int(token_ids[i]),
-                logprob=float(chosen[row]),
-                top=tuple(
-                    zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)
-                ),
-            )
+        scored = _token_logprobs(
+            torch.log_softmax(raw[wanted], dim=-1),
+            token_ids[wanted],
+            [params[i].logprobs or 0 for i in wanted],
+        )
+        for i, entry in zip(wanted, scored, strict=True):
+            logprobs[i] = entry
     return SampleResult(token_ids.tolist(), logprobs)
+
+
+def prompt_logprobs(
+    logprob_rows: torch.Tensor, targets: Sequence[int], num_top: int
+) -> list[TokenLogprobs]:
+    """The logprob of ``targets[i]`` under ``logprob_rows[i]`` (log-softmax rows of the positions
+    before each target) and each row's ``num_top`` best tokens."""
+    target_ids = torch.tensor(list(targets), dtype=torch.long)
+    return _token_logprobs(logprob_rows.float(), target_ids, [num_top] * len(targets))
+
+
+def _token_logprobs(
+    logprob_rows: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    top_values, top_ids = logprob_rows.topk(max(max(num_top, default=0), 1), dim=-1)
+    chosen = logprob_rows.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
+    ids = token_ids.tolist()
+    return [
+        TokenLogprobs(
+            token_id=ids[row],
+            logprob=chosen[row],
+            top=tuple(zip(top_ids_list[row][:n], top_values_list[row][:n], strict=True)),
+        )
+        for row, n in enumerate(num_top)
+    ]
 
 
 def _sample_random(

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from spyre_server.api.app import create_app
 from spyre_server.api.auth import APIKeys, salt_secret
 from spyre_server.api.generation import GenerationLimits
+from spyre_server.api.generation_defaults import GenerationDefaults
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.api.state import ServerState
 from spyre_server.async_engine import AsyncEngine
@@ -30,6 +31,7 @@ from spyre_server.model.loading import (
     model_dtype,
     resolve_model_path,
 )
+from spyre_server.structured_output import GrammarCompiler
 
 logger = logging.getLogger("spyre_server")
 
@@ -63,6 +65,9 @@ def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = No
         metrics=ServerMetrics(model_name, engine.scheduler.make_stats, engine.runner.program_stats),
         api_keys=APIKeys(config.server.api_keys, salt_secret(config.cache.hash_seed)),
         created=int(time.time()),
+        model_root=str(loaded.path),
+        grammars=GrammarCompiler(loaded.tokenizer, loaded.vocab_size),
+        generation_defaults=GenerationDefaults.read(loaded.path),
         chat_template=None if template is None else load_chat_template(template),
     )
     return create_app(state)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from spyre_server.api.completions import register_generation_routes
+from spyre_server.api import chat, completions, models
 from spyre_server.api.errors import (
     APIError,
     api_error_handler,
@@ -56,29 +56,11 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(RequestId)
 
-    def authorize(request: Request) -> str | None:
-        return state.api_keys.key_of(request)
-
     @app.get("/health")
     async def health() -> Response:
         if state.engine.is_alive:
             return Response(status_code=200)
         return JSONResponse(error_body(503, "the engine step loop is not running"), 503)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "spyre-server",
-                    "max_model_len": state.limits.max_model_len,
-                }
-            ],
-        }
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -89,7 +71,11 @@ def create_app(state: ServerState) -> FastAPI:
         dropped = await state.engine.call(lambda engine: engine.scheduler.reset_prefix_cache())
         return {"success": True, "dropped_blocks": dropped}
 
-    register_generation_routes(app, state, authorize)
+    def authorize(request: Request) -> str | None:
+        return state.api_keys.key_of(request)
+
+    for module in (completions, chat, models):
+        app.include_router(module.router)
     register_tokenize_routes(app, state, authorize)
     register_render_routes(app, state, authorize)
     register_server_info_routes(app, state)

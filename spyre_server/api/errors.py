@@ -56,12 +56,27 @@ def sse_error(error: APIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
 
 
-async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+def log_refusal(request: Request, status: int, message: str, param: str | None) -> None:
+    """The server log says why a request was refused (the client got the same message)."""
+    request_id = getattr(request.state, "request_id", None)
+    logger.info(
+        "%d %s %s (request %s)%s: %s",
+        status,
+        request.method,
+        request.url.path,
+        request_id,
+        f" param {param}" if param else "",
+        message,
+    )
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
+    log_refusal(request, exc.status, exc.message, exc.param)
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -70,10 +85,16 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
         param = None
     else:
-        message = "; ".join(
-            f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5]
-        )
+        message = "; ".join(_describe(e) for e in errors[:5])
+    log_refusal(request, 400, message, param)
     return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+
+def _describe(error: Any) -> str:
+    where = _param(error.get("loc", ())) or "body"
+    if error.get("type") == "extra_forbidden":
+        return f"{where}: unknown field (this server does not know or support it)"
+    return f"{where}: {error.get('msg')}"
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

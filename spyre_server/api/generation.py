@@ -15,7 +15,7 @@ from spyre_server.api.errors import APIError
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.async_engine import AsyncEngine, EngineDeadError
 from spyre_server.engine import RequestDelta
-from spyre_server.sampling import SamplingParams
+from spyre_server.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -27,9 +27,12 @@ class Choice:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """What stopped it with ``finish_reason`` "stop": the stop token id or stop string (None: EOS)."""
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +54,27 @@ def check_prompt(token_ids: Sequence[int], limits: GenerationLimits, param: str)
             param=param,
         )
     if len(token_ids) >= limits.max_model_len:
-        raise APIError(
-            400,
-            f"the prompt has {len(token_ids)} tokens; max_model_len is {limits.max_model_len}, "
-            "which leaves no room for output",
-            param=param,
+        raise context_length_error(limits, len(token_ids), None, param)
+
+
+def context_length_error(
+    limits: GenerationLimits, num_prompt_tokens: int, max_tokens: int | None, param: str
+) -> APIError:
+    """OpenAI's wording and code, which client libraries match to detect an overflow."""
+    if max_tokens is None:
+        requested = f"{num_prompt_tokens} tokens in the prompt, which leaves no room for output"
+    else:
+        requested = (
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} in the completion)"
         )
+    return APIError(
+        400,
+        f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
+        f"requested {requested}. Please reduce the length of the prompt or the completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def resolve_max_tokens(
@@ -66,12 +84,7 @@ def resolve_max_tokens(
     if requested is None:
         return min(limits.default_max_tokens, room)
     if requested > room:
-        raise APIError(
-            400,
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({requested}) exceeds "
-            f"max_model_len ({limits.max_model_len})",
-            param="max_tokens",
-        )
+        raise context_length_error(limits, num_prompt_tokens, requested, "max_tokens")
     return requested
 
 
@@ -190,11 +203,14 @@ class Generation:
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs
                 choice.num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:
+                    choice.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     if delta.error is not None:
                         raise APIError(500, delta.error, code="engine_error")
                     assert delta.finish_reason is not None
                     choice.finish_reason = str(delta.finish_reason)
+                    choice.stop_reason = delta.stop_reason
                     metrics.e2e.observe(now - arrival)
                     if choice.index % self._n == 0:  # a prompt counts once, whatever n is
                         metrics.prompt_tokens.inc(len(choice.prompt_token_ids))

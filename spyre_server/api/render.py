@@ -10,9 +10,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from spyre_server.api.completions import _chat_prompt, _check_model, _completion_prompts
+from spyre_server.api.chat import chat_prompt
+from spyre_server.api.completions import completion_prompts
 from spyre_server.api.generation import resolve_max_tokens
 from spyre_server.api.protocol import ChatCompletionRequest, CompletionRequest
+from spyre_server.api.serving import check_request
 from spyre_server.api.state import ServerState
 
 
@@ -22,8 +24,8 @@ def register_render_routes(
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
         authorize(request)
-        _check_model(state, body.model)
-        prompts = _completion_prompts(state, body.prompt)
+        check_request(state, body)
+        prompts = completion_prompts(state, body.prompt)
         rid = f"cmpl-{request.state.request_id}"
         return [
             _generate_request(state, f"{rid}-{i}", prompt, body, body.max_tokens)
@@ -33,8 +35,8 @@ def register_render_routes(
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         authorize(request)
-        _check_model(state, body.model)
-        prompt = _chat_prompt(state, body)
+        check_request(state, body)
+        prompt = chat_prompt(state, body)
         out = _generate_request(
             state, f"chatcmpl-{request.state.request_id}", prompt, body, body.max_new_tokens
         )

@@ -7,9 +7,11 @@ from typing import Any
 
 from spyre_server.api.auth import APIKeys
 from spyre_server.api.generation import GenerationLimits
+from spyre_server.api.generation_defaults import GenerationDefaults
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.async_engine import AsyncEngine
 from spyre_server.config import Config
+from spyre_server.structured_output import GrammarCompiler
 
 
 @dataclass(slots=True)
@@ -22,5 +24,11 @@ class ServerState:
     metrics: ServerMetrics
     api_keys: APIKeys
     created: int
+    model_root: str
+    """The model folder the weights were loaded from (the model card's ``root``)."""
+    grammars: GrammarCompiler
+    """Compiles ``response_format`` for this tokenizer."""
+    generation_defaults: GenerationDefaults
+    """The model's sampling defaults, for the fields a request leaves out."""
     chat_template: str | None = None
     """Replaces the tokenizer's chat template (``model.chat_template``, loaded); None: its own."""

@@ -13,9 +13,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spyre_server.api.completions import _chat_prompt, _check_model
+from spyre_server.api.chat import chat_prompt
 from spyre_server.api.errors import APIError
 from spyre_server.api.protocol import ChatCompletionRequest, ChatMessage, NonNegInt, Text
+from spyre_server.api.serving import check_model
 from spyre_server.api.state import ServerState
 
 
@@ -53,7 +54,7 @@ def register_tokenize_routes(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         authorize(request)
-        _check_model(state, body.model)
+        check_model(state, body.model)
         if body.messages is not None:
             token_ids = _chat_tokens(state, body, body.messages)
         else:
@@ -73,7 +74,7 @@ def register_tokenize_routes(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
         authorize(request)
-        _check_model(state, body.model)
+        check_model(state, body.model)
         vocab_size = state.limits.vocab_size
         bad = next((t for t in body.tokens if t >= vocab_size), None)
         if bad is not None:
@@ -87,7 +88,7 @@ def register_tokenize_routes(
 
 def _chat_tokens(state: ServerState, body: TokenizeRequest, chat: list[ChatMessage]) -> list[int]:
     if body.add_generation_prompt and not body.add_special_tokens:  # what the chat endpoint runs
-        return _chat_prompt(state, ChatCompletionRequest(messages=chat))
+        return chat_prompt(state, ChatCompletionRequest(messages=chat))
     messages = [{"role": m.role, "content": m.text} for m in chat]
     try:
         text = state.tokenizer.apply_chat_template(

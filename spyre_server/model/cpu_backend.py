@@ -16,6 +16,7 @@ from spyre_server.model.runner import ModelRunner
 
 class CpuModelRunner(ModelRunner):
     prefill_compute = PrefillCompute.NEW_POSITIONS
+    supports_prompt_logits = True
 
     def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
         bs = self.block_size
@@ -26,13 +27,20 @@ class CpuModelRunner(ModelRunner):
             if not step.is_last_chunk:
                 return None  # nothing to write, nothing to sample
             first = len(step.token_ids) - 1
+        logits = self._forward_chunk(step, first, last_n_tokens=1)
+        return logits[:, -1] if step.is_last_chunk else None
+
+    def _prompt_logits(self, step: PrefillChunk) -> torch.Tensor:
+        return self._forward_chunk(step, 0, last_n_tokens=len(step.token_ids))[0]
+
+    def _forward_chunk(self, step: PrefillChunk, first: int, *, last_n_tokens: int) -> torch.Tensor:
+        """Compute the chunk's positions from index ``first`` on (writing their KV)."""
         positions = step.positions[first:]
         input_ids = torch.tensor([step.token_ids[first:]])
-        plan = plan_attention([step.block_table], [positions], bs)
+        plan = plan_attention([step.block_table], [positions], self.block_size)
         kwargs = paged_attention_kwargs(torch.tensor(step.slot_mapping[first:]), plan)
         position_ids = torch.tensor([positions])
-        logits = self._forward(input_ids, position_ids, kwargs)
-        return logits[:, -1] if step.is_last_chunk else None
+        return self._forward(input_ids, position_ids, kwargs, last_n_tokens=last_n_tokens)
 
     def _decode(self, step: DecodeBatch) -> torch.Tensor:
         entries = step.entries
@@ -42,17 +50,22 @@ class CpuModelRunner(ModelRunner):
         kwargs = paged_attention_kwargs(torch.tensor([e.slot for e in entries]), plan)
         position_ids = torch.tensor([[e.position] for e in entries])
         input_ids = torch.tensor([[e.token_id] for e in entries])
-        return self._forward(input_ids, position_ids, kwargs)[:, -1]
+        return self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)[:, -1]
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kwargs: dict[str, object]
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kwargs: dict[str, object],
+        *,
+        last_n_tokens: int,
     ) -> torch.Tensor:
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
             past_key_value_states=self.kv_caches,
             use_cache=True,
-            last_n_tokens=1,
+            last_n_tokens=last_n_tokens,
             **kwargs,
         )
         return logits

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from fms.modules.attention import MultiHeadAttention
 
 from scheduler import DecodeBatch, PrefillChunk, PrefillCompute, ScheduledStep
-from spyre_server.sampling import SamplingParams, TokenLogprobs, sample
+from spyre_server.sampling import SamplingParams, SequenceSampling, TokenLogprobs, sample
+
+SamplingInputs = Mapping[str, SamplingParams | SequenceSampling]
+"""What the sampler needs of each request of a step, by request id."""
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, the key and value block tensors ``[num_blocks, block_size, kv_heads, head_dim]``."""
@@ -50,6 +53,9 @@ def kv_cache_shape(model: torch.nn.Module) -> KVCacheShape:
 class StepResult:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """For a prefill chunk with ``needs_prompt_logits``: the log-softmax of the logits at every
+    position of the chunk, ``[len(step.positions), vocab]`` float32, in position order."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -75,6 +81,8 @@ class ProgramStats:
 
 class ModelRunner(abc.ABC):
     prefill_compute: ClassVar[PrefillCompute]
+    supports_prompt_logits: ClassVar[bool]
+    """Whether the backend can return the logits of every prompt position (echo + logprobs)."""
 
     def __init__(
         self, model: torch.nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype
@@ -103,8 +111,10 @@ class ModelRunner(abc.ABC):
         return None
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep, params: Mapping[str, SamplingParams]) -> StepResult:
+    def execute(self, step: ScheduledStep, params: SamplingInputs) -> StepResult:
         """Run the step, write its KV, and sample a token for every row that must produce one."""
+        if isinstance(step, PrefillChunk) and step.needs_prompt_logits:
+            return self._prefill_with_prompt_logprobs(step, params)
         logits = self.compute_logits(step)
         if logits is None:
             return StepResult({}, {})
@@ -126,8 +136,24 @@ class ModelRunner(abc.ABC):
             return self._prefill(step)
         return self._decode(step)
 
+    def _prefill_with_prompt_logprobs(
+        self, step: PrefillChunk, params: SamplingInputs
+    ) -> StepResult:
+        """A chunk whose every position's logits are wanted: all of them are computed."""
+        logits = self._prompt_logits(step)
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        if not step.is_last_chunk:
+            return StepResult({}, {}, {step.request_id: rows})
+        result = self._sample(logits[-1:], [step.request_id], [step.positions[-1] + 1], params)
+        return StepResult(result.sampled_token_ids, result.logprobs, {step.request_id: rows})
+
     @abc.abstractmethod
     def _prefill(self, step: PrefillChunk) -> torch.Tensor | None: ...
+
+    def _prompt_logits(self, step: PrefillChunk) -> torch.Tensor:
+        """Compute every position of the chunk (writing its KV) and return their logits
+        ``[len(step.positions), vocab]``. Only for backends with ``supports_prompt_logits``."""
+        raise NotImplementedError(f"{type(self).__name__} returns no prompt logits")
 
     @abc.abstractmethod
     def _decode(self, step: DecodeBatch) -> torch.Tensor: ...
@@ -137,7 +163,7 @@ class ModelRunner(abc.ABC):
         logits: torch.Tensor,
         request_ids: list[str],
         positions: list[int],
-        params: Mapping[str, SamplingParams],
+        params: SamplingInputs,
     ) -> StepResult:
         result = sample(logits, [params[r] for r in request_ids], positions)
         logprobs = {

@@ -31,6 +31,8 @@ ATTN_NAME = "spyre_paged_attn"
 
 class SpyreModelRunner(ModelRunner):
     prefill_compute = PrefillCompute.WHOLE_WINDOWS
+    supports_prompt_logits = False
+    """The card's prefill programs return the logits of the window's last block only."""
 
     def __init__(
         self,

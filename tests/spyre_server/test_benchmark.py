@@ -895,7 +895,10 @@ def test_server_errors_and_api_keys(
     assert s["num_completed"] == 0 and s["num_failed"] == 3
     [error] = s["errors"]
     assert error["count"] == 3
-    assert error["message"].startswith("HTTP 400: the prompt has 1100 tokens; max_model_len is")
+    assert error["message"].startswith(
+        "HTTP 400: This model's maximum context length is 1024 tokens. However, you requested "
+        "1100 tokens in the prompt"
+    )
     assert s["p50_ttft_ms"] is None and s["request_throughput"] == 0
     assert table_value(out, "Failed requests") == "3"
 

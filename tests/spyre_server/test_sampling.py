@@ -304,3 +304,86 @@ def test_mixed_batch_of_greedy_and_random_rows() -> None:
     row = logits[1] / 4  # flatter
     tokens = draw(row, SamplingParams(seed=1), 200)
     assert len(set(tokens)) > 5
+
+
+# --- top-k / top-p on a real-sized vocabulary (the "best 256, widen when needed" path) -----------
+
+REAL_VOCAB = 49_152  # SmolLM2's
+
+
+def full_sort_top_k_top_p(scaled: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+    """The exact oracle: sort the whole vocabulary (float64), apply top-k, renormalise, then keep a
+    token iff the mass ranked before it is < top_p; return dense renormalised weights."""
+    probs = torch.softmax(scaled.double(), dim=-1)
+    values, ids = probs.sort(descending=True)
+    if top_k is not None:
+        values[top_k:] = 0.0
+    values /= values.sum()
+    before = values.cumsum(0) - values
+    values[before >= top_p] = 0.0
+    values /= values.sum()
+    return torch.zeros_like(probs).scatter_(0, ids, values)
+
+
+def _rows_for_real_vocab() -> tuple[torch.Tensor, list[tuple[int | None, float]]]:
+    g = torch.Generator().manual_seed(42)
+    peaked = torch.randn(REAL_VOCAB, generator=g) * 4  # a few hundred tokens carry the mass
+    flat = torch.randn(REAL_VOCAB, generator=g) * 0.05  # near-uniform: top_p needs ~all tokens
+    medium = torch.randn(REAL_VOCAB, generator=g) * 1.5
+    rows = torch.stack([peaked, flat, flat, medium, medium, peaked])
+    settings: list[tuple[int | None, float]] = [
+        (None, 0.9),  # fits in the first 256 candidates
+        (None, 0.5),  # needs about half the vocabulary: widens several times
+        (1000, 0.95),  # top-k beyond 256 candidates
+        (40_000, 0.8),  # top-k cut and widening together
+        (None, 0.999),
+        (5, 1.0),  # top-k only
+    ]
+    return rows, settings
+
+
+def test_top_k_top_p_at_real_vocab_size_match_a_full_sort_oracle() -> None:
+    from spyre_server.sampling import CANDIDATES, _top_k_top_p
+
+    rows, settings = _rows_for_real_vocab()
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in settings]
+    weights, ids = _top_k_top_p(rows.clone(), params)
+    assert weights.shape[1] > CANDIDATES  # the flat rows made it widen
+    dense = torch.zeros(rows.shape, dtype=torch.float64)
+    dense.scatter_(1, ids, weights.double())
+    dense /= dense.sum(dim=-1, keepdim=True)
+    for i, (k, p) in enumerate(settings):
+        expected = full_sort_top_k_top_p(rows[i], k, p)
+        kept, expected_kept = dense[i] > 0, expected > 0
+        if not torch.equal(kept, expected_kept):
+            # only a token whose preceding mass is within float32 rounding of top_p may differ
+            differing = (kept != expected_kept).nonzero().flatten()
+            mass_before = _mass_before(rows[i], k)
+            assert all(abs(float(mass_before[t]) - p) < 1e-5 for t in differing), (i, differing)
+        assert int(expected_kept.sum()) > (CANDIDATES if i in (1, 2, 3) else 0)
+        torch.testing.assert_close(dense[i], expected, atol=1e-6, rtol=1e-4)
+
+
+def _mass_before(row: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    probs = torch.softmax(row.double(), dim=-1)
+    values, ids = probs.sort(descending=True)
+    if top_k is not None:
+        values[top_k:] = 0.0
+    values /= values.sum()
+    return torch.zeros_like(probs).scatter_(0, ids, values.cumsum(0) - values)
+
+
+def test_sampling_at_real_vocab_size_stays_in_the_oracle_set_and_reaches_beyond_256() -> None:
+    rows, settings = _rows_for_real_vocab()
+    n = 64
+    for i in (1, 2, 5):
+        k, p = settings[i]
+        params = SamplingParams(top_k=k, top_p=p, seed=i)
+        tokens = sample(rows[i].expand(n, -1), [params] * n, list(range(n))).token_ids
+        allowed = full_sort_top_k_top_p(rows[i], k, p) > 0
+        assert all(bool(allowed[t]) for t in tokens)
+        ranks = rows[i].argsort(descending=True).argsort()
+        if i in (1, 2):  # flat rows: the draws land far beyond the 256 best
+            assert max(int(ranks[t]) for t in tokens) > 256
+        else:
+            assert set(tokens) <= set(rows[i].topk(5).indices.tolist())

@@ -105,3 +105,25 @@ def smollm2_loaded(request: pytest.FixtureRequest) -> Any:
     except ModelStoreError as exc:
         default_model_missing(str(exc))
     return load_model(path, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_loaded: Any) -> Iterator[Server]:
+    """A real server on SmolLM2 (float32, default chunk size), on two torch threads."""
+    import torch
+
+    from spyre_server.config import load_config
+    from spyre_server.serve import build_app
+
+    config = load_config(
+        environ={},
+        overrides={"cache.num_blocks": 200, "model.max_model_len": 2048, "model.dtype": "float32"},
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    server = start_server(build_app(config, smollm2_loaded))
+    try:
+        yield server
+    finally:
+        server.close()
+        torch.set_num_threads(previous)

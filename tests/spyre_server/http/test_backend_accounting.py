@@ -65,3 +65,15 @@ def test_cached_tokens_are_what_the_backend_skipped(
     else:
         assert after.value("spyre:warmed_programs") == 0
         assert not [f for f in after.families if f.name == "spyre:program_steps"]
+
+
+def test_prompt_logprobs_are_refused_on_the_spyre_backend(make_server: MakeServer) -> None:
+    """Its prefill programs return the logits of a window's last block only."""
+    spyre = make_server(model__backend="spyre", model__compile_backend="eager")
+    body = {"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1}
+    response = spyre.http().post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert "spyre backend" in response.json()["error"]["message"]
+    cpu = make_server()
+    response = cpu.http().post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text

@@ -67,6 +67,7 @@ OPERATIONS = {
     "GET /health",
     "GET /metrics",
     "GET /v1/models",
+    "GET /v1/models/{model_id}",
     "POST /reset_prefix_cache",
     "POST /v1/completions",
     "POST /v1/chat/completions",
@@ -98,8 +99,8 @@ class Usage(_Strict):
 
 class CompletionLogprobs(_Strict):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the first prompt token of an echo
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -108,6 +109,7 @@ class CompletionChoice(_Strict):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    stop_reason: int | str | None
 
 
 class Completion(_Strict):
@@ -143,6 +145,7 @@ class ChatChoice(_Strict):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"]
+    stop_reason: int | str | None
 
 
 class ChatCompletion(_Strict):
@@ -164,6 +167,7 @@ class ChatChunkChoice(_Strict):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    stop_reason: int | str | None
 
 
 class ChatChunk(_Strict):
@@ -180,6 +184,8 @@ class ModelCard(_Strict):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
+    parent: None
     max_model_len: int
 
 
@@ -327,6 +333,11 @@ def _check_models_ok(body: Any, response: Reply) -> None:
     assert out.data[0].max_model_len == MAX_MODEL_LEN
 
 
+def _check_model_ok(body: Any, response: Reply) -> None:
+    card = ModelCard.model_validate(_json_body(response))
+    assert card.max_model_len == MAX_MODEL_LEN
+
+
 def _check_reset_ok(body: Any, response: Reply) -> None:
     assert ResetResult.model_validate(_json_body(response)).dropped_blocks >= 0
 
@@ -367,6 +378,7 @@ SUCCESS_CHECKS: dict[str, Callable[[Any, Reply], None]] = {
     "GET /health": _check_health_ok,
     "GET /metrics": _check_metrics_ok,
     "GET /v1/models": _check_models_ok,
+    "GET /v1/models/{model_id}": _check_model_ok,
     "POST /reset_prefix_cache": _check_reset_ok,
     "POST /v1/completions": _check_completions_ok,
     "POST /v1/chat/completions": _check_chat_completions_ok,

@@ -3,7 +3,6 @@ official openai client. Slow: loading the model takes seconds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,27 +12,6 @@ from tests.spyre_server.http.helpers import BLOCK, Server, start_server
 pytestmark = pytest.mark.slow
 
 NAME = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_loaded: Any) -> Iterator[Server]:
-    import torch
-
-    from spyre_server.config import load_config
-    from spyre_server.serve import build_app
-
-    config = load_config(
-        environ={},
-        overrides={"cache.num_blocks": 200, "model.max_model_len": 2048, "model.dtype": "float32"},
-    )
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    server = start_server(build_app(config, smollm2_loaded))
-    try:
-        yield server
-    finally:
-        server.close()
-        torch.set_num_threads(previous)
 
 
 def test_models_lists_the_default_model(smollm2_server: Server) -> None:
