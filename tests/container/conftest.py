@@ -23,8 +23,9 @@ SPYRE_LIKE_TAG = "spyre-server:test-spyre-like"
 
 
 def _state_dir() -> Path:
-    """Where the engine keeps its images between sessions (a cold build takes minutes)."""
-    configured = os.environ.get("SPYRE_SERVER_CONTAINER_STATE")
+    """Where the engine keeps its images between sessions (a cold build takes minutes). Not a
+    SPYRE_SERVER_* variable: the server would reject it as an unknown setting."""
+    configured = os.environ.get("SPYRE_CONTAINER_TEST_STATE")
     if configured:
         return Path(configured)
     return Path.home() / ".cache" / "spyre-server" / "container-test"
