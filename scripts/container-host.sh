@@ -153,6 +153,10 @@ down)
     if [ -n "$containerd_pid" ] && kill -0 "$containerd_pid" 2>/dev/null; then
         kill "$containerd_pid"
     fi
+    # dockerd leaves its default network namespace mounted under the exec root.
+    if mountpoint -q "$state/exec/netns/default" 2>/dev/null; then
+        umount "$state/exec/netns/default"
+    fi
     ;;
 *)
     echo "usage: $0 up|down STATE_DIR" >&2
