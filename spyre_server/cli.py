@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(config: Config) -> int:
+    # Before the imports and the model load: as a container's PID 1, a process that has no
+    # SIGTERM handler ignores SIGTERM, so `docker stop` would wait for its timeout and kill.
+    # serve() hands SIGTERM over to uvicorn's drain once the server is built.
+    signal.signal(signal.SIGTERM, _stop_during_startup)
     # Imported here: torch, fms and uvicorn take seconds to import.
     from spyre_server.listen_socket import ListenError
     from spyre_server.model.loading import ModelLoadError
@@ -64,6 +69,12 @@ def _serve(config: Config) -> int:
         # Ctrl-C: uvicorn drained the requests in flight, then raised the signal again.
         pass
     return 0
+
+
+def _stop_during_startup(signum: int, frame: object) -> None:
+    """SIGTERM before the server serves: nothing to drain, stop at once (exit 0, as asked)."""
+    _progress("SIGTERM during start-up: stopping before serving")
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ class ServerSection(_Section):
     metrics_require_auth: bool = False
     default_max_tokens: int = Field(256, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    graceful_shutdown_seconds: float = Field(25.0, gt=0)
+    graceful_shutdown_seconds: float = Field(20.0, gt=0)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -44,7 +44,9 @@ def load(config: Config) -> LoadedModel:
     configure_torch(config)
     check_backend(config)
     path = resolve_model_path(config, progress=lambda message: logger.info("%s", message))
-    return load_model(path, model_dtype(config))
+    dtype = model_dtype(config)
+    logger.info("loading the model from %s (%s)", path, str(dtype).removeprefix("torch."))
+    return load_model(path, dtype)
 
 
 def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = None) -> FastAPI:
@@ -89,8 +91,9 @@ def serve(config: Config) -> None:
         config.server.host,
         sock.getsockname()[1],
     )
-    # uvicorn drains in-flight requests on SIGTERM, restores the previous handler and raises
-    # the signal again: make that previous handler a no-op so a graceful stop exits 0.
+    # Until here SIGTERM stops the start-up at once (spyre_server.cli). From here uvicorn drains
+    # in-flight requests on SIGTERM, restores the previous handler and raises the signal again:
+    # make that previous handler a no-op so a graceful stop exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     engine: AsyncEngine = app.state.server.engine
     uvicorn_config = uvicorn.Config(

@@ -2,13 +2,23 @@
 
 Scheduler gauges and counters are read from the scheduler at scrape time (always fresh, also when
 idle); request latencies and token counts are recorded by the HTTP layer as requests progress.
+The registry also carries prometheus_client's standard ``process_*`` (CPU, memory, open files)
+and ``python_*`` (version, garbage collector) metrics, without a model_name label.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -116,6 +126,9 @@ class ServerMetrics:
         self._model_name = model_name
         self.registry.register(_SchedulerCollector(read_stats, model_name))
         self.registry.register(_ProgramCollector(read_program_stats, model_name))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         labels = ["model_name"]
 
         def counter(name: str, doc: str) -> Counter:

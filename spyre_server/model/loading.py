@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +103,8 @@ def load_model(path: Path, dtype: torch.dtype) -> LoadedModel:
     from fms.models import get_model
     from transformers import AutoTokenizer
 
+    check_readable(path)
+    check_temp_dir()
     try:
         model = get_model("hf_pretrained", model_path=str(path), data_type=dtype, device_type="cpu")
     except Exception as exc:
@@ -124,6 +128,41 @@ def load_model(path: Path, dtype: torch.dtype) -> LoadedModel:
         eos_token_id=tokenizer.eos_token_id,
         vocab_size=embeddings[0].num_embeddings,
     )
+
+
+def check_readable(path: Path) -> None:
+    """Raise ModelLoadError naming the first file of the model folder this process cannot read.
+
+    fms reports an unreadable checkpoint as a missing one ("No such file or directory"); the
+    real cause, and the fix, are about permissions (e.g. a container run with another UID).
+    """
+    entries = [path, *sorted(path.iterdir())] if os.access(path, os.R_OK | os.X_OK) else [path]
+    for entry in entries:
+        if entry.name.startswith(".") and entry != path:
+            continue
+        wanted = os.R_OK | (os.X_OK if entry.is_dir() else 0)
+        if os.access(entry, wanted):
+            continue
+        info = entry.stat()
+        raise ModelLoadError(
+            f"cannot read {entry}: permission denied (mode {stat.filemode(info.st_mode)}, "
+            f"owner uid {info.st_uid} gid {info.st_gid}; this process runs as uid "
+            f"{os.getuid()} gid {os.getgid()}). Make the model folder readable by this user, "
+            f"e.g. chmod -R a+rX {path}"
+        )
+
+
+def check_temp_dir() -> None:
+    """Raise ModelLoadError when no temporary directory is writable (loading the model with fms
+    needs one): on a read-only root filesystem, say so instead of "cannot load the model"."""
+    try:
+        tempfile.gettempdir()
+    except FileNotFoundError as exc:
+        raise ModelLoadError(
+            f"no writable temporary directory ({exc}). On a read-only root filesystem mount "
+            "one at /tmp (docker/podman run --read-only --tmpfs /tmp; an emptyDir volume in "
+            "Kubernetes), or point TMPDIR at a writable directory"
+        ) from None
 
 
 def _architectures(path: Path) -> list[str]:

@@ -8,6 +8,13 @@ The cache folder is only ever created by renaming a finished temporary sibling i
 holds a marker file (written last) naming the exact source it was built from. A folder without a
 matching marker is never used, so an interrupted conversion cannot leave a folder that looks
 complete. transformers and torch are imported only when a conversion actually runs.
+
+Every file of a finished folder gets the permissions the umask gives a new file (0644 under the
+usual 022), whatever the writer chose (safetensors writes 0600): the folder must be readable by
+other users, e.g. a container's arbitrary UID in group 0.
+
+The Dockerfile runs this file on its own (its model stage), so it imports only the standard
+library at module level.
 """
 
 from __future__ import annotations
@@ -122,6 +129,7 @@ def ensure_folder(
         try:
             build(tmp)
             (tmp / COMPLETE_MARKER).write_text(stamp, encoding="utf-8")
+            _apply_umask_permissions(tmp)
             _move_into_place(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -196,6 +204,18 @@ def _drop_quantization_state(model: PreTrainedModel) -> None:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+
+
+def _apply_umask_permissions(folder: Path) -> None:
+    """Give ``folder``'s files mode ``0o666 & ~umask`` and its folders ``0o777 & ~umask``."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def _temp_prefix(target: Path) -> str:

@@ -1,0 +1,55 @@
+"""Build-time check of the image's Python environment (the Dockerfile runs it).
+
+spyre-server and every runtime dependency import; each requirement spyre-server declares is met
+by the installed version; torch is the one the ``TORCH`` build argument asked for: ``cpu``, the
+venv's own install; ``base``, the base image's, untouched. Exits non-zero, saying why, if not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+
+from packaging.requirements import Requirement
+
+
+def unmet_requirements(distribution: str) -> list[str]:
+    """The requirements of ``distribution`` (no extras) that the installed versions miss."""
+    problems = []
+    for text in metadata.requires(distribution) or []:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            version = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{requirement}: not installed")
+            continue
+        if not requirement.specifier.contains(version, prereleases=True):
+            problems.append(f"{requirement}: {version} is installed")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--torch", choices=["cpu", "base"], required=True)
+    args = parser.parse_args()
+    import torch
+
+    import spyre_server.serve  # noqa: F401  (imports fastapi, uvicorn, fms, transformers, ...)
+
+    problems = unmet_requirements("spyre-server")
+    in_venv = torch.__file__.startswith(sys.prefix + "/")
+    if args.torch == "base" and in_venv:
+        problems.append(f"TORCH=base, but torch was installed into {sys.prefix}")
+    if args.torch == "cpu" and not in_venv:
+        problems.append(f"TORCH=cpu, but torch comes from {torch.__file__}")
+    print(f"torch {torch.__version__} from {torch.__file__}")
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
