@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -66,9 +68,20 @@ def _serve(config: Config) -> int:
         _progress(f"error: {exc}")
         return 2
     except KeyboardInterrupt:
-        # Ctrl-C: uvicorn drained the requests in flight, then raised the signal again.
-        pass
+        # Ctrl-C: uvicorn drained the requests in flight and raised the signal again, or the
+        # model was still loading. Exit at once: the interpreter's finalization restores the
+        # default SIGINT action while torch's threads wind down, and a Ctrl-C then (or one
+        # delivered late) would kill the process with -2 after all (seen about once in ten
+        # Ctrl-Cs during loading).
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _stop_during_startup(signum: int, frame: object) -> None:

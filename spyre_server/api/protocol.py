@@ -85,6 +85,12 @@ class _SamplingFields(BaseModel):
     guided_regex: Unsupported = None
     guided_choice: Unsupported = None
     guided_grammar: Unsupported = None
+    # Fields vllm-router adds to every request it forwards, with these values; they ask for
+    # what this server does anyway (special tokens left out of the text, stop strings trimmed,
+    # no hidden states). Any other value is refused.
+    skip_special_tokens: Unsupported = None
+    no_stop_trim: Unsupported = None
+    return_hidden_states: Unsupported = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -105,7 +111,7 @@ class _SamplingFields(BaseModel):
         names = [
             name
             for name in (*_UNSUPPORTED, *self._unsupported_here)
-            if name in self.model_fields_set and not _is_neutral(getattr(self, name))
+            if name in self.model_fields_set and not _asks_for_nothing(name, getattr(self, name))
         ]
         if "tool_choice" in names and self.tool_choice in ("none", "auto") and not self.tools:
             names.remove("tool_choice")
@@ -128,7 +134,20 @@ class _SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+_WHAT_WE_DO: dict[str, Any] = {"skip_special_tokens": True}
+"""Unsupported fields whose one accepted value is this server's own behaviour."""
+
+
+def _asks_for_nothing(name: str, value: Any) -> bool:
+    if name in _WHAT_WE_DO:
+        return value is None or value == _WHAT_WE_DO[name]
+    return _is_neutral(value)
+
+
 _UNSUPPORTED = (
+    "skip_special_tokens",
+    "no_stop_trim",
+    "return_hidden_states",
     "tools",
     "tool_choice",
     "functions",

@@ -184,6 +184,9 @@ def test_unknown_fields_are_400_naming_them(
         (CHAT, "echo", True),
         (COMPLETIONS, "suffix", "tail"),
         (CHAT, "guided_json", {"type": "object"}),
+        (COMPLETIONS, "skip_special_tokens", False),  # we always skip them
+        (COMPLETIONS, "no_stop_trim", True),
+        (CHAT, "return_hidden_states", True),
     ],
 )
 def test_unsupported_fields_are_400_naming_them(
@@ -212,6 +215,21 @@ def test_neutral_values_of_unsupported_fields_pass(server: Server) -> None:
         "logit_bias": None,
     }
     response = server.http().post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_the_fields_vllm_router_adds_pass(server: Server, path: str) -> None:
+    """vllm-router forwards every request with these three fields, asking for what this server
+    does anyway."""
+    body: dict[str, Any] = {"prompt": "x"} if path == COMPLETIONS else {"messages": MESSAGES}
+    body |= {
+        "max_tokens": 1,
+        "skip_special_tokens": True,
+        "no_stop_trim": False,
+        "return_hidden_states": False,
+    }
+    response = server.http().post(path, json=body)
     assert response.status_code == 200, response.text
 
 
