@@ -69,19 +69,28 @@ def _serve(config: Config) -> int:
         return 2
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn drained the requests in flight and raised the signal again, or the
-        # model was still loading. Exit at once: the interpreter's finalization restores the
-        # default SIGINT action while torch's threads wind down, and a Ctrl-C then (or one
-        # delivered late) would kill the process with -2 after all (seen about once in ten
-        # Ctrl-Cs during loading).
-        _exit_now(0)
+        # model was still loading.
+        global _interrupted
+        _interrupted = True
     return 0
 
 
-def _exit_now(code: int) -> None:
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+_interrupted = False
+"""A Ctrl-C ended ``serve``: the process should exit without finalizing (see ``run``)."""
+
+
+def run() -> None:
+    """The ``spyre-server`` command. After a Ctrl-C it exits at once: the interpreter's
+    finalization restores the default SIGINT action while torch's threads wind down, and a
+    Ctrl-C then would kill the process with -2 after all (seen about once in ten Ctrl-Cs during
+    model loading). ``main`` itself returns, so it can be called in-process."""
+    code = main()
+    if _interrupted:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _stop_during_startup(signum: int, frame: object) -> None:
@@ -91,4 +100,4 @@ def _stop_during_startup(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
