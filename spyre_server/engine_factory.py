@@ -60,15 +60,20 @@ def check_backend(config: Config) -> None:
     spyre backend: import its compiler, with the environment it reads at import time)."""
     if config.model.backend == "cpu":
         return
-    model, sched = config.model, config.scheduler
+    # The limits only (the KV size is not known before the model loads).
+    limits = SchedulerConfig(
+        chunk_size=config.scheduler.chunk_size,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_model_len=config.model.max_model_len,
+        max_batch_tkv_limit=config.scheduler.max_batch_tkv_limit,
+    )
     prepare_backend(
-        model.compile_backend,
+        config.model.compile_backend,
         sendnn_environment(
-            chunk_size=sched.chunk_size,
-            max_model_len=model.max_model_len,
-            max_num_seqs=sched.max_num_seqs,
-            max_batch_tkv_limit=sched.max_batch_tkv_limit
-            or model.max_model_len * sched.max_num_seqs,
+            chunk_size=limits.chunk_size,
+            max_model_len=limits.max_model_len,
+            max_num_seqs=limits.max_num_seqs,
+            max_batch_tkv_limit=limits.batch_tkv_limit,
         ),
     )
 

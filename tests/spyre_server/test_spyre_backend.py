@@ -184,3 +184,36 @@ def test_auto_dtype_per_backend() -> None:
     assert dtype(**{"model.backend": "spyre"}) is torch.float16  # sendnn: the card's precision
     assert dtype(**{"model.backend": "spyre", "model.compile_backend": "eager"}) is torch.float32
     assert dtype(**{"model.backend": "spyre", "model.compile_backend": "inductor"}) is torch.float32
+
+
+def test_sendnn_gets_the_schedules_limits_before_its_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch_sendnn reads these at import time; they must match the programs the scheduler
+    issues (vllm-spyre sets the same variables). The import then fails here (no torch_sendnn)."""
+    import os
+
+    from spyre_server.config import load_config
+    from spyre_server.engine_factory import check_backend
+    from spyre_server.model.compile import CompileBackendError
+
+    names = ["VLLM_DT_CHUNK_LEN", "VLLM_DT_MAX_CONTEXT_LEN", "VLLM_DT_MAX_BATCH_SIZE"]
+    names += ["VLLM_DT_MAX_BATCH_TKV_LIMIT", "COMPILATION_MODE", "FLEX_OVERWRITE_NMB_FRAME"]
+    for name in names:  # set, so that teardown restores what was there before
+        monkeypatch.setenv(name, "before")
+    overrides = {
+        "model.backend": "spyre",
+        "model.max_model_len": 4096,
+        "scheduler.chunk_size": 512,
+        "scheduler.max_num_seqs": 1,
+    }
+    with pytest.raises(CompileBackendError, match="torch_sendnn"):
+        check_backend(load_config(environ={}, overrides=overrides))
+    assert {n: os.environ[n] for n in names} == {
+        "VLLM_DT_CHUNK_LEN": "512",
+        "VLLM_DT_MAX_CONTEXT_LEN": "4096",
+        "VLLM_DT_MAX_BATCH_SIZE": "2",  # the compiler's minimum
+        "VLLM_DT_MAX_BATCH_TKV_LIMIT": "4096",  # unset limit: max_model_len * max_num_seqs
+        "COMPILATION_MODE": "offline_decoder",
+        "FLEX_OVERWRITE_NMB_FRAME": "true",
+    }
