@@ -2,7 +2,8 @@
 plain fms forward, and time to first token with a cold vs a warm prefix cache.
 
 Run: ``.venv/bin/python bench/bench_engine.py`` (10-30 minutes on 2 cores).
-Options: ``--threads N`` torch threads (default 2); ``--sections prefill,decode,ttft`` (all by
+Options: ``--threads N`` torch threads (default 2); ``--linear-kernel onednn|aten`` (default
+onednn, as the server); ``--sections prefill,decode,ttft`` (all by
 default); ``--reps N`` timed rounds per point (median reported, after one warm-up run);
 ``--bf16`` run bfloat16 too even where the CPU would emulate it; ``--profile`` add a torch profile
 of one decode step at batch 32.
@@ -39,6 +40,7 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.model.cpu_backend import CpuModelRunner
+from spyre_server.model.cpu_model import cpu_inference_copy
 from spyre_server.model.loading import cpu_flags, load_model
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
@@ -283,6 +285,13 @@ def main() -> None:
     parser.add_argument(
         "--sections", default=",".join(SECTIONS), help="comma-separated: prefill,decode,ttft"
     )
+    parser.add_argument(
+        "--linear-kernel",
+        choices=("onednn", "aten"),
+        default="onednn",
+        help="model.linear_kernel: oneDNN-packed weights (the server's default) or F.linear; "
+        "the runner always gets the server's model copy (cpu_model.py)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -290,7 +299,8 @@ def main() -> None:
     flags = cpu_flags()
     print(f"SmolLM2-135M-Instruct from {path}")
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, reps {args.reps} (median)"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, reps {args.reps} "
+        f"(median), linear kernel {args.linear_kernel}"
     )
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f} on {os.cpu_count()} CPUs")
@@ -312,12 +322,13 @@ def main() -> None:
         )
     for dtype, label in dtypes:
         loaded = load_model(path, dtype)
-        bench = Bench(loaded.model, dtype, loaded.vocab_size)
+        model = cpu_inference_copy(loaded.model, linear_kernel=args.linear_kernel, dtype=dtype)
+        bench = Bench(model, dtype, loaded.vocab_size)
         for section in args.sections.split(","):
             results += SECTIONS[section](bench, args.reps, label)
         if args.profile:
             profile_decode(bench, 32)
-        del bench, loaded
+        del bench, loaded, model
 
     print("\n== targets ==")
     for text, ok in results:

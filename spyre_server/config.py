@@ -47,6 +47,7 @@ class ModelSection(_Section):
     path: Path | None = None
     backend: Literal["cpu", "spyre"] = "cpu"
     compile_backend: Literal["eager", "inductor", "sendnn"] = "sendnn"
+    linear_kernel: Literal["onednn", "aten"] = "onednn"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, gt=0)
     served_model_name: str | None = None

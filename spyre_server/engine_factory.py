@@ -10,6 +10,7 @@ from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
 from spyre_server.model.compile import prepare_backend, sendnn_environment
 from spyre_server.model.cpu_backend import CpuModelRunner
+from spyre_server.model.cpu_model import cpu_inference_copy
 from spyre_server.model.loading import LoadedModel, num_kv_blocks
 from spyre_server.model.runner import ModelRunner, kv_cache_shape
 from spyre_server.model.spyre_backend import SpyreModelRunner
@@ -80,8 +81,11 @@ def check_backend(config: Config) -> None:
 
 def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) -> ModelRunner:
     if config.model.backend == "cpu":
+        model = cpu_inference_copy(
+            loaded.model, linear_kernel=config.model.linear_kernel, dtype=loaded.dtype
+        )
         return CpuModelRunner(
-            loaded.model,
+            model,
             num_blocks=sched.num_blocks,
             block_size=sched.block_size,
             dtype=loaded.dtype,

@@ -85,9 +85,11 @@ def serve(config: Config) -> None:
     sock = bind_socket(config.server.host, config.server.port)
     loaded = load(config)
     app = build_app(config, loaded)
+    model_name = config.model.served_model_name or loaded.name
+    del loaded  # the engine holds what it runs (a packed copy of the weights on the cpu backend)
     logger.info(
         "serving %s on http://%s:%d",
-        config.model.served_model_name or loaded.name,
+        model_name,
         config.server.host,
         sock.getsockname()[1],
     )

@@ -45,6 +45,9 @@ class RowGroup:
     ``own_blocks``: ``[n * num_own_blocks]`` the rest of each row's table, row-major, padded with
     block 0; ``own_bias``: ``[n, num_queries, num_own_blocks * block_size]``, 0 where a query may
     attend the own key and -inf elsewhere (later positions, padding).
+    ``shared_span`` / ``own_span``: ``(first, end)`` when those block ids are the consecutive
+    ``first..end-1`` (a request's blocks mostly are): the keys are then read in place through a
+    view of the cache instead of being gathered into a copy.
     """
 
     rows: torch.Tensor | None
@@ -52,6 +55,8 @@ class RowGroup:
     own_blocks: torch.Tensor
     own_bias: torch.Tensor
     num_own_blocks: int
+    shared_span: tuple[int, int] | None = None
+    own_span: tuple[int, int] | None = None
     _grouped_bias: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def grouped_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -130,13 +135,26 @@ def _plan_group(
     )
     visible = key_positions.view(1, 1, -1) <= torch.tensor(positions).unsqueeze(-1)
     bias = torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)
+    shared = reference[:num_shared]
     return RowGroup(
         rows=None if rows is None else torch.tensor(rows, dtype=torch.long),
-        shared_blocks=torch.tensor(reference[:num_shared], dtype=torch.long),
+        shared_blocks=torch.tensor(shared, dtype=torch.long),
         own_blocks=torch.tensor(own, dtype=torch.long),
         own_bias=bias,
         num_own_blocks=num_own_blocks,
+        shared_span=_consecutive(shared),
+        own_span=_consecutive(own),
     )
+
+
+def _consecutive(block_ids: Sequence[int]) -> tuple[int, int] | None:
+    """``(first, end)`` if ``block_ids`` is ``first, first + 1, ..., end - 1`` (not empty)."""
+    if not block_ids:
+        return None
+    first = block_ids[0]
+    if any(b != first + i for i, b in enumerate(block_ids)):
+        return None
+    return first, first + len(block_ids)
 
 
 def paged_attention_kwargs(slot_mapping: torch.Tensor, plan: AttentionPlan) -> dict[str, Any]:
@@ -211,8 +229,9 @@ def _attend(
     batch, kvheads, num_rows, head_dim = q.shape
     block_size = key_cache.shape[1]
     own_len = rows.num_own_blocks * block_size
-    own_keys = key_cache.index_select(0, rows.own_blocks).view(batch, own_len, kvheads, head_dim)
-    own_values = value_cache.index_select(0, rows.own_blocks)
+    own_keys = _blocks(key_cache, rows.own_blocks, rows.own_span)
+    own_keys = own_keys.view(batch, own_len, kvheads, head_dim)
+    own_values = _blocks(value_cache, rows.own_blocks, rows.own_span)
     own_values = own_values.view(batch, own_len, kvheads, head_dim)
     out, lse = _flash_attention(
         q,
@@ -226,8 +245,8 @@ def _attend(
     # Every row of the group against the shared keys at once, then the two softmax parts merged
     # exactly through their log-sum-exps.
     shared_len = rows.shared_blocks.numel() * block_size
-    shared_keys = key_cache.index_select(0, rows.shared_blocks)
-    shared_values = value_cache.index_select(0, rows.shared_blocks)
+    shared_keys = _blocks(key_cache, rows.shared_blocks, rows.shared_span)
+    shared_values = _blocks(value_cache, rows.shared_blocks, rows.shared_span)
     shared_out, shared_lse = _flash_attention(
         q.transpose(0, 1).reshape(1, kvheads, batch * num_rows, head_dim),
         shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
@@ -240,6 +259,15 @@ def _attend(
     out = out * (lse - total_lse).exp_().unsqueeze(-1)
     out += shared_out * (shared_lse - total_lse).exp_().unsqueeze(-1)
     return out
+
+
+def _blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, span: tuple[int, int] | None
+) -> torch.Tensor:
+    """The cache's blocks ``block_ids`` in order: a view when they are the span, else a copy."""
+    if span is not None:
+        return cache[span[0] : span[1]]
+    return cache.index_select(0, block_ids)
 
 
 _flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -180,6 +180,7 @@ def test_unknown_section_or_key(source: dict[str, Any], name: str, tmp_path: Pat
         ("model.max_model_len", 0),
         ("model.max_model_len", "many"),
         ("model.num_threads", 0),
+        ("model.linear_kernel", "mkl"),
         ("server.port", 70000),
         ("server.log_level", "verbose"),
         ("server.default_max_tokens", -1),

@@ -142,6 +142,21 @@ def test_grouped_bias_repeats_each_query_for_its_heads() -> None:
     assert plan.grouped_bias(3, torch.float32) is grouped  # built once per step
 
 
+def test_consecutive_blocks_are_read_in_place() -> None:
+    """Consecutive block ids get a span (read through a view of the cache); any other order,
+    padding or several rows' blocks get none (gathered into a copy)."""
+    plan = one_group([[4, 5, 6, 7]], [list(range(192, 230))])
+    assert (plan.shared_span, plan.own_span) == ((4, 7), (7, 8))
+    plan = one_group([[4, 6, 5, 7]], [list(range(192, 230))])
+    assert (plan.shared_span, plan.own_span) == (None, (7, 8))
+    plan = one_group([[5, 6, 7, 9], [5, 6, 7, 10, 11]], [[200], [300]])
+    assert plan.shared_span == (5, 8)
+    assert plan.own_blocks.tolist() == [9, 0, 10, 11] and plan.own_span is None
+    plan = one_group([[1, 2]], [[10]])  # a query in the first block: nothing shared
+    assert plan.shared_blocks.numel() == 0 and plan.shared_span is None
+    assert plan.own_span == (1, 2)
+
+
 # ================================================================= the op against oracles
 def naive_attention(
     query: torch.Tensor,
@@ -177,6 +192,8 @@ def naive_attention(
         ),
         ([[7, 8, 9]], [list(range(130, 160))]),  # prefill: 2 shared blocks, causal own block
         ([[7, 8, 9]], [list(range(0, 40))]),  # prefill of the first block
+        ([[9, 3, 7, 4]], [list(range(200, 230))]),  # prefill over scattered blocks (gathered)
+        ([[3, 4, 5, 6], [3, 4, 8, 9]], [[230], [250]]),  # consecutive own blocks, two rows
     ],
 )
 def test_op_equals_naive_attention(tables: list[list[int]], positions: list[list[int]]) -> None:

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 12's side-by-side run: start each server alone on the idle box, run
+# bench/side_by_side.py against it, stop it; then print the table with ours over each peer.
+#   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm]
+# Results (JSON) and server logs go to $OUT (default $PEERS/results). Run it from the repo root
+# with spyre-server installed in .venv. Nothing else may run on the box meanwhile.
+set -euo pipefail
+P=${PEERS:?set PEERS to the folder install.sh filled}
+OUT=${OUT:-$P/results}
+REPS=${REPS:-3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+PY=${PY:-$REPO/.venv/bin/python}
+mkdir -p "$OUT"
+servers=("${@:-spyre llama vllm}")
+read -r -a servers <<< "${servers[*]}"
+
+start() {  # name -> starts the server in the background, sets PID and URL
+  case $1 in
+    spyre) URL=http://127.0.0.1:8021
+      "$REPO/.venv/bin/spyre-server" serve --port 8021 >"$OUT/spyre.log" 2>&1 & ;;
+    llama) URL=http://127.0.0.1:8103
+      PORT=8103 "$HERE/start_llama_server.sh" >"$OUT/llama.log" 2>&1 & ;;
+    vllm) URL=http://127.0.0.1:8102
+      PORT=8102 "$HERE/start_vllm_cpu.sh" >"$OUT/vllm.log" 2>&1 & ;;
+    *) echo "unknown server $1 (spyre, llama, vllm)" >&2; exit 2 ;;
+  esac
+  PID=$!
+  for _ in $(seq 1800); do   # vLLM compiles for minutes on its first start
+    if curl -sf "$URL/v1/models" >/dev/null; then return 0; fi
+    if ! kill -0 "$PID" 2>/dev/null; then echo "$1 exited; see $OUT/$1.log" >&2; exit 1; fi
+    sleep 1
+  done
+  echo "$1 did not come up; see $OUT/$1.log" >&2; exit 1
+}
+
+stop() {
+  kill -TERM "$PID" 2>/dev/null || true
+  wait "$PID" 2>/dev/null || true
+}
+
+labels=(); files=()
+for name in "${servers[@]}"; do
+  case $name in spyre) label=spyre-server ;; llama) label=llama-server ;; vllm) label=vllm-cpu ;; esac
+  start "$name"
+  trap stop EXIT
+  "$PY" "$REPO/bench/side_by_side.py" measure --base-url "$URL" --label "$label" \
+    --reps "$REPS" --output "$OUT/$name.json"
+  stop; trap - EXIT
+  files+=("$OUT/$name.json")
+  sleep 5   # let the box settle
+done
+"$PY" "$REPO/bench/side_by_side.py" compare "${files[@]}"

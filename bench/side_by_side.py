@@ -1,0 +1,177 @@
+"""Issue 12's shared-prefix workload against any OpenAI-compatible server, and the ratios between
+servers measured one after another on the same box.
+
+The prompts are token ids (every peer accepts them, so no tokenizer difference can enter):
+
+- ``cold TTFT``: a new 1,536-token prefix + 64 new tokens, one request, 1 token out;
+- ``warm TTFT``: the same prefix with 64 other tokens (the prefix is now cached);
+- ``burst cold``: 8 concurrent requests on one new prefix, each with its own 64 tokens, 16 out
+  (``ignore_eos``): wall time from sending to the last token;
+- ``burst cached``: 8 more on the now-cached prefix.
+
+Every cold measurement uses a prefix never sent before (no cache reset is needed, so the script
+works against any server). TTFTs are medians of ``--reps`` rounds after one warm-up round; bursts
+are medians of ``--reps`` rounds too.
+
+    python bench/side_by_side.py measure --base-url http://127.0.0.1:8021 --label spyre-server \\
+        --output spyre.json
+    python bench/side_by_side.py compare spyre.json llama.json vllm.json
+
+``compare`` prints the four columns for each result and the ratios of the first (ours) over
+each other one. ``bench/peers/side_by_side.sh`` starts each server in turn and runs both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shared_prefix
+
+from spyre_server.benchmark.runner import RunOutcome
+from spyre_server.benchmark.tokenizer import load_tokenizer, ordinary_token_ids
+
+PREFIX_LEN = 1536
+SUFFIX_LEN = 64
+BURST = 8
+BURST_OUTPUT_LEN = 16
+COLUMNS = ("cold_ttft_s", "warm_ttft_s", "burst_cold_s", "burst_cached_s")
+HEADERS = ("cold TTFT", "warm TTFT", "burst of 8, cold", "burst of 8, cached")
+# Issue 12's targets: which peer each column is held against, and issue 6's absolute limits.
+TARGET_PEER = {
+    "cold_ttft_s": "llama",
+    "warm_ttft_s": "llama",
+    "burst_cold_s": "vllm",
+    "burst_cached_s": "vllm",
+}
+ABSOLUTE_TARGET_S = {"burst_cold_s": 6.0, "burst_cached_s": 4.0}
+
+
+@dataclass(slots=True)
+class Result:
+    label: str
+    base_url: str
+    model: str
+    cold_ttft_s: float
+    warm_ttft_s: float
+    burst_cold_s: float
+    burst_cached_s: float
+    rounds: list[dict[str, float]]
+    cached_tokens: dict[str, int | None]
+    """``cached_tokens`` the server reported (summed over a burst) in the last round."""
+
+
+class Client(shared_prefix.Client):
+    def run(self, prompts: list[tuple[int, ...]], output_len: int) -> RunOutcome:
+        """As shared_prefix's, and every request must produce all its tokens (``ignore_eos``)."""
+        outcome = super().run(prompts, output_len)
+        produced = sum(r.completion.num_output_tokens for r in outcome.results)
+        if produced != len(prompts) * output_len:
+            raise SystemExit(f"expected {len(prompts) * output_len} tokens out, got {produced}")
+        return outcome
+
+    def ttft(self, prompt: tuple[int, ...]) -> tuple[float, int | None]:  # type: ignore[override]
+        completion = self.run([prompt], 1).results[0].completion
+        assert completion.ttft_s is not None
+        return completion.ttft_s, completion.num_cached_tokens
+
+    def burst(self, prefix: tuple[int, ...]) -> tuple[float, int | None]:
+        """Wall time of BURST concurrent requests on ``prefix``, and their summed cached tokens."""
+        start = time.perf_counter()
+        outcome = self.run(
+            [prefix + self.tokens(SUFFIX_LEN) for _ in range(BURST)], BURST_OUTPUT_LEN
+        )
+        wall = time.perf_counter() - start
+        cached = [r.completion.num_cached_tokens for r in outcome.results]
+        return wall, None if None in cached else sum(c or 0 for c in cached)
+
+
+def measure(client: Client, label: str, reps: int) -> Result:
+    rounds: list[dict[str, float]] = []
+    cached: dict[str, int | None] = {}
+    for index in range(reps + 1):  # round 0 warms the server up and is not counted
+        prefix = client.tokens(PREFIX_LEN)
+        cold, cached["cold_ttft"] = client.ttft(prefix + client.tokens(SUFFIX_LEN))
+        warm, cached["warm_ttft"] = client.ttft(prefix + client.tokens(SUFFIX_LEN))
+        burst_prefix = client.tokens(PREFIX_LEN)
+        burst_cold, cached["burst_cold"] = client.burst(burst_prefix)
+        burst_cached, cached["burst_cached"] = client.burst(burst_prefix)
+        row = dict(zip(COLUMNS, (cold, warm, burst_cold, burst_cached), strict=True))
+        print(
+            f"  round {index}{' (warm-up)' if index == 0 else ''}: "
+            + ", ".join(f"{h} {row[c]:.3f} s" for h, c in zip(HEADERS, COLUMNS, strict=True)),
+            flush=True,
+        )
+        if index > 0:
+            rounds.append(row)
+    medians = {c: statistics.median(r[c] for r in rounds) for c in COLUMNS}
+    return Result(
+        label, client.base_url, client.model, **medians, rounds=rounds, cached_tokens=cached
+    )
+
+
+def compare(results: list[Result]) -> str:
+    """The four columns per server, then ours (the first) over each peer."""
+    lines = [
+        "| server | " + " | ".join(HEADERS) + " |",
+        "|---|" + "---|" * len(HEADERS),
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.label} | " + " | ".join(f"{getattr(r, c):.3f} s" for c in COLUMNS) + " |"
+        )
+    ours = results[0]
+    for peer in results[1:]:
+        ratios = []
+        for c in COLUMNS:
+            ratio = getattr(ours, c) / getattr(peer, c)
+            target = TARGET_PEER[c] in peer.label.lower()
+            verdict = f" ({'PASS' if ratio <= 1.0 else 'FAIL'})" if target else ""
+            ratios.append(f"{ratio:.2f}x{verdict}")
+        lines.append(f"| {ours.label} / {peer.label} | " + " | ".join(ratios) + " |")
+    absolute = [
+        f"{h} {getattr(ours, c):.2f} s (< {ABSOLUTE_TARGET_S[c]:.0f} s: "
+        f"{'PASS' if getattr(ours, c) < ABSOLUTE_TARGET_S[c] else 'FAIL'})"
+        for h, c in zip(HEADERS, COLUMNS, strict=True)
+        if c in ABSOLUTE_TARGET_S
+    ]
+    lines.append("")
+    lines.append(f"{ours.label}: " + "; ".join(absolute))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("measure", help="run the workload against one server")
+    run.add_argument("--base-url", required=True)
+    run.add_argument("--label", required=True, help="the server's name in the table")
+    run.add_argument("--output", type=Path, required=True, help="JSON file for compare")
+    run.add_argument("--tokenizer", type=Path, default=None)
+    run.add_argument("--reps", type=int, default=3)
+    run.add_argument("--seed", type=int, default=0)
+    cmp = sub.add_parser("compare", help="tabulate results; the first file is ours")
+    cmp.add_argument("results", type=Path, nargs="+")
+    args = parser.parse_args()
+    if args.command == "measure":
+        vocab = ordinary_token_ids(load_tokenizer(args.tokenizer))
+        client = Client(args.base_url.rstrip("/"), vocab, args.seed)
+        print(f"== {args.label} at {client.base_url} (model {client.model}) ==", flush=True)
+        result = measure(client, args.label, args.reps)
+        args.output.write_text(json.dumps(asdict(result), indent=2) + "\n")
+        print(compare([result]))
+    else:
+        results = [Result(**json.loads(p.read_text())) for p in args.results]
+        print(compare(results))
+
+
+if __name__ == "__main__":
+    main()

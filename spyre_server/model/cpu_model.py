@@ -1,0 +1,47 @@
+"""The cpu backend's own copy of the model, with the CPU kernels it runs faster with.
+
+``cpu_inference_copy`` returns a copy of the loaded fms model that shares every parameter and
+buffer with it (only the module objects are new), then, on the copy only:
+
+- its rotary embedding computes with the rotation's entries (``fast_rope.py``: the same result
+  bit for bit);
+- with ``linear_kernel="onednn"``, its linear layers hold their weights packed for oneDNN
+  (``packed_linear.py``: float32 rounding differences from ``F.linear``).
+
+The loaded model is left as it was (tests share one model between engines and oracles). Drop it
+to free the unpacked linear weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+
+import torch
+
+from spyre_server.model.fast_rope import use_fast_rope
+from spyre_server.model.packed_linear import check_onednn, pack_linears
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_inference_copy(
+    model: torch.nn.Module, *, linear_kernel: str, dtype: torch.dtype
+) -> torch.nn.Module:
+    """``linear_kernel``: ``onednn`` (raises LinearKernelError where oneDNN cannot run
+    ``dtype``) or ``aten`` (F.linear)."""
+    if linear_kernel not in ("onednn", "aten"):
+        raise ValueError(f"linear_kernel must be onednn or aten, got {linear_kernel!r}")
+    if linear_kernel == "onednn":
+        check_onednn(dtype)
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    clone = copy.deepcopy(model, shared)
+    num_rope = use_fast_rope(clone)
+    num_packed = pack_linears(clone) if linear_kernel == "onednn" else 0
+    logger.info(
+        "cpu kernels: %d linear layers packed for oneDNN, %d rotary embeddings on the fast path",
+        num_packed,
+        num_rope,
+    )
+    return clone
