@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -26,7 +27,7 @@ from spyre_server.engine_factory import build_engine, check_backend
 from spyre_server.listen_socket import bind_socket
 from spyre_server.model.loading import (
     LoadedModel,
-    configure_torch,
+    compute_threads,
     load_model,
     model_dtype,
     resolve_model_path,
@@ -41,7 +42,9 @@ most), leaving time for the current engine step to finish and the answers to go 
 
 
 def load(config: Config) -> LoadedModel:
-    configure_torch(config)
+    """Load the model on the calling thread with one torch thread: parallel torch work belongs
+    to the engine's step thread alone (see AsyncEngine)."""
+    torch.set_num_threads(1)
     check_backend(config)
     path = resolve_model_path(config, progress=lambda message: logger.info("%s", message))
     dtype = model_dtype(config)
@@ -49,12 +52,20 @@ def load(config: Config) -> LoadedModel:
     return load_model(path, dtype)
 
 
-def build_app(config: Config, loaded: LoadedModel, engine: LLMEngine | None = None) -> FastAPI:
+def build_app(
+    config: Config,
+    loaded: LoadedModel,
+    engine: LLMEngine | None = None,
+    *,
+    num_threads: int | None = None,
+) -> FastAPI:
+    """``num_threads``: torch threads the step thread sets when it starts (``None``: whatever
+    torch has then)."""
     engine = engine or build_engine(config, loaded)
     model_name = config.model.served_model_name or loaded.name
     template = config.model.chat_template
     state = ServerState(
-        engine=AsyncEngine(engine),
+        engine=AsyncEngine(engine, num_threads=num_threads),
         tokenizer=loaded.tokenizer,
         config=config,
         model_name=model_name,
@@ -84,7 +95,7 @@ def serve(config: Config) -> None:
     )
     sock = bind_socket(config.server.host, config.server.port)
     loaded = load(config)
-    app = build_app(config, loaded)
+    app = build_app(config, loaded, num_threads=compute_threads(config))
     model_name = config.model.served_model_name or loaded.name
     del loaded  # the engine holds what it runs (a packed copy of the weights on the cpu backend)
     logger.info(

@@ -81,9 +81,14 @@ def physical_cores() -> int:
     return max(1, min(len(cores), available) if cores else available)
 
 
+def compute_threads(config: Config) -> int:
+    """Torch threads for the model's steps: ``model.num_threads``, default the physical cores."""
+    return config.model.num_threads or physical_cores()
+
+
 def configure_torch(config: Config) -> None:
-    """Torch threads: ``model.num_threads``, default the physical cores."""
-    torch.set_num_threads(config.model.num_threads or physical_cores())
+    """For a process whose one thread loads the model and runs every step (offline use)."""
+    torch.set_num_threads(compute_threads(config))
 
 
 def resolve_model_path(config: Config, progress: Any = None) -> Path:

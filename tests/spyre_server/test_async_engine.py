@@ -472,3 +472,53 @@ def test_call_cancelled_while_waiting_for_the_step_thread(make_engine: MakeEngin
             assert await asyncio.wait_for(async_engine.call(lambda e: 7), 5) == 7
 
     run(main)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_step_thread_sets_the_compute_threads(
+    make_engine: Callable[..., LLMEngine], num_threads: int
+) -> None:
+    """The server loads on one torch thread and hands the compute threads to the step thread,
+    which sets them before its first step (so its OpenMP pool is the only one)."""
+    import torch
+
+    async def body() -> tuple[int, str]:
+        torch.set_num_threads(3)  # what the loading thread left
+        async_engine = AsyncEngine(make_engine(), num_threads=num_threads)
+        async_engine.start()
+        try:
+            seen = await async_engine.call(
+                lambda _: (torch.get_num_threads(), threading.current_thread().name)
+            )
+        finally:
+            await async_engine.shutdown()
+        return seen  # type: ignore[return-value]
+
+    previous = torch.get_num_threads()
+    try:
+        assert run(body) == (num_threads, "spyre-engine")
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_server_loads_the_model_on_one_torch_thread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Loading must not open a second OpenMP pool beside the step thread's (see AsyncEngine)."""
+    import torch
+
+    from spyre_server import serve
+    from spyre_server.config import load_config
+
+    (tmp_path / "config.json").write_text("{}")
+    seen: list[int] = []
+    monkeypatch.setattr(
+        serve, "load_model", lambda path, dtype: seen.append(torch.get_num_threads())
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        serve.load(load_config(environ={}, overrides={"model.path": str(tmp_path)}))
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [1]
