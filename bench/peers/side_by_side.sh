@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 12's side-by-side run: start each server alone on the idle box, run
 # bench/side_by_side.py against it, stop it; then print the table with ours over each peer.
-#   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm]
+#   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm] [before]
+# "before" serves another checkout of spyre-server (BEFORE_DIR, e.g. a git worktree of an older
+# commit) with this repo's venv, for before/after numbers in the same run.
 # Results (JSON) and server logs go to $OUT (default $PEERS/results). Run it from the repo root
 # with spyre-server installed in .venv. Nothing else may run on the box meanwhile.
 set -euo pipefail
@@ -19,11 +21,15 @@ start() {  # name -> starts the server in the background, sets PID and URL
   case $1 in
     spyre) URL=http://127.0.0.1:8021
       "$REPO/.venv/bin/spyre-server" serve --port 8021 >"$OUT/spyre.log" 2>&1 & ;;
+    before) URL=http://127.0.0.1:8022
+      (cd /tmp && PYTHONPATH=${BEFORE_DIR:?set BEFORE_DIR to a spyre-server checkout} \
+        exec "$PY" -c 'from spyre_server.cli import run; run()' serve --port 8022) \
+        >"$OUT/before.log" 2>&1 & ;;
     llama) URL=http://127.0.0.1:8103
       PORT=8103 "$HERE/start_llama_server.sh" >"$OUT/llama.log" 2>&1 & ;;
     vllm) URL=http://127.0.0.1:8102
       PORT=8102 "$HERE/start_vllm_cpu.sh" >"$OUT/vllm.log" 2>&1 & ;;
-    *) echo "unknown server $1 (spyre, llama, vllm)" >&2; exit 2 ;;
+    *) echo "unknown server $1 (spyre, llama, vllm, before)" >&2; exit 2 ;;
   esac
   PID=$!
   for _ in $(seq 1800); do   # vLLM compiles for minutes on its first start
@@ -41,7 +47,10 @@ stop() {
 
 labels=(); files=()
 for name in "${servers[@]}"; do
-  case $name in spyre) label=spyre-server ;; llama) label=llama-server ;; vllm) label=vllm-cpu ;; esac
+  case $name in
+    spyre) label=spyre-server ;; before) label="spyre-server (before)" ;;
+    llama) label=llama-server ;; vllm) label=vllm-cpu ;;
+  esac
   start "$name"
   trap stop EXIT
   "$PY" "$REPO/bench/side_by_side.py" measure --base-url "$URL" --label "$label" \
