@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import signal
@@ -104,6 +105,7 @@ def serve(config: Config) -> None:
     # otherwise took 150-380 ms each in the middle of requests (as vLLM does after start-up).
     gc.collect()
     gc.freeze()
+    release_freed_memory()
     logger.info(
         "serving %s on http://%s:%d",
         model_name,
@@ -123,6 +125,22 @@ def serve(config: Config) -> None:
         timeout_graceful_shutdown=config.server.graceful_shutdown_seconds,
     )
     DrainingServer(uvicorn_config, on_deadline=engine.stop).run(sockets=[sock])
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed during loading back to the OS (glibc's ``malloc_trim``).
+
+    Loading frees hundreds of MB in weight-sized chunks (the unpacked linear weights once the cpu
+    backend's packed copy exists, fms's pre-fusion tensors), and glibc keeps such chunks in its
+    heap: SmolLM2's server stayed at 3.5 GB RSS instead of 3.1 GB. Other C libraries have no
+    ``malloc_trim``; there is nothing to do then."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        logger.debug("no glibc malloc_trim here; freed heap memory stays with the process")
+        return
+    trim(0)
 
 
 class DrainingServer(uvicorn.Server):
