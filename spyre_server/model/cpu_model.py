@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+from typing import Literal
 
 import torch
 
@@ -27,12 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 def cpu_inference_copy(
-    model: torch.nn.Module, *, linear_kernel: str, dtype: torch.dtype
+    model: torch.nn.Module, *, linear_kernel: Literal["onednn", "aten"], dtype: torch.dtype
 ) -> torch.nn.Module:
     """``linear_kernel``: ``onednn`` (raises LinearKernelError where oneDNN cannot run
-    ``dtype``) or ``aten`` (F.linear)."""
-    if linear_kernel not in ("onednn", "aten"):
-        raise ValueError(f"linear_kernel must be onednn or aten, got {linear_kernel!r}")
+    ``dtype``) or ``aten`` (F.linear), as ``model.linear_kernel`` validated it."""
     if linear_kernel == "onednn":
         check_onednn(dtype)
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}

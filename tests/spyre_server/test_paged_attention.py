@@ -143,8 +143,9 @@ def test_grouped_bias_repeats_each_query_for_its_heads() -> None:
 
 
 def test_consecutive_blocks_are_read_in_place() -> None:
-    """Consecutive block ids get a span (read through a view of the cache); any other order,
-    padding or several rows' blocks get none (gathered into a copy)."""
+    """Consecutive block ids get a span (read through a view of the cache), also when they are
+    several rows' own blocks back to back; any other order, or padding, gets none (gathered into
+    a copy)."""
     plan = one_group([[4, 5, 6, 7]], [list(range(192, 230))])
     assert (plan.shared_span, plan.own_span) == ((4, 7), (7, 8))
     plan = one_group([[4, 6, 5, 7]], [list(range(192, 230))])
