@@ -243,7 +243,9 @@ def _attend(
     if rows.shared_blocks.numel() == 0:
         return out
     # Every row of the group against the shared keys at once, then the two softmax parts merged
-    # exactly through their log-sum-exps.
+    # exactly through their log-sum-exps: the own part's share of the whole softmax is
+    # e^lse / (e^lse + e^shared_lse) = sigmoid(lse - shared_lse). In float32 (the log-sum-exps
+    # are float32 whatever the query's dtype), returned in the query's dtype.
     shared_len = rows.shared_blocks.numel() * block_size
     shared_keys = _blocks(key_cache, rows.shared_blocks, rows.shared_span)
     shared_values = _blocks(value_cache, rows.shared_blocks, rows.shared_span)
@@ -255,10 +257,8 @@ def _attend(
     )
     shared_out = shared_out.view(kvheads, batch, num_rows, head_dim).transpose(0, 1)
     shared_lse = shared_lse.view(kvheads, batch, num_rows).transpose(0, 1)
-    total_lse = torch.logaddexp(lse, shared_lse)
-    out = out * (lse - total_lse).exp_().unsqueeze(-1)
-    out += shared_out * (shared_lse - total_lse).exp_().unsqueeze(-1)
-    return out
+    own_share = torch.sigmoid(lse - shared_lse).unsqueeze(-1)
+    return torch.lerp(shared_out.float(), out.float(), own_share).type_as(q)
 
 
 def _blocks(

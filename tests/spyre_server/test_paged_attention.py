@@ -197,19 +197,25 @@ def naive_attention(
         ([[3, 4, 5, 6], [3, 4, 8, 9]], [[230], [250]]),  # consecutive own blocks, two rows
     ],
 )
-def test_op_equals_naive_attention(tables: list[list[int]], positions: list[list[int]]) -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_op_equals_naive_attention(
+    tables: list[list[int]], positions: list[list[int]], dtype: torch.dtype, tolerance: float
+) -> None:
+    """In float32 and in bfloat16 (``model.dtype: auto`` on AMX / AVX512-BF16 CPUs), where the
+    result keeps the query's dtype: bfloat16's 8-bit mantissa sets that tolerance."""
     torch.manual_seed(0)
     nheads, kvheads, head_dim = 6, 2, 16
-    key_cache = torch.randn(12, BS, kvheads, head_dim)
-    value_cache = torch.randn(12, BS, kvheads, head_dim)
-    query = torch.randn(len(tables), len(positions[0]), nheads, head_dim)
+    key_cache = torch.randn(12, BS, kvheads, head_dim).to(dtype)
+    value_cache = torch.randn(12, BS, kvheads, head_dim).to(dtype)
+    query = torch.randn(len(tables), len(positions[0]), nheads, head_dim).to(dtype)
     plan = plan_attention(tables, positions, BS)
     got = paged_attention._compute(
         query, key_cache, value_cache, nheads, kvheads, 0.0, None, plan=plan
     )
     want = naive_attention(query, key_cache, value_cache, tables, positions)
+    assert got.dtype == dtype
     assert got.shape == want.shape
-    assert max_abs(got, want) < 1e-5
+    assert max_abs(got, want) < tolerance
 
 
 def test_decode_batch_sharing_a_prompt_prefix_equals_full_forwards(
