@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from spyre_server.model import packed_linear
 from spyre_server.model.cpu_model import cpu_inference_copy
+from spyre_server.model.fast_norm import FastRMSNorm
 from spyre_server.model.fast_rope import FastRotaryEmbedding
 from spyre_server.model.packed_linear import (
     LinearKernelError,
@@ -65,6 +66,8 @@ def test_the_cpu_copy_shares_every_tensor_and_leaves_the_model_alone(
     assert not any(
         type(x.attn.position_encoder) is FastRotaryEmbedding for x in model.base_model.layers
     )
+    assert all(type(x.ln) is FastRMSNorm for x in clone.base_model.layers)
+    assert not any(isinstance(m, FastRMSNorm) for m in model.modules())
     unpacked = {
         n: p for n, p in params_before.items() if not any(n.startswith(f"{x}.") for x in linears)
     }
