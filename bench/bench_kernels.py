@@ -1,0 +1,188 @@
+"""The kernels a SmolLM2 step spends its time in, next to this machine's limits.
+
+Run: ``.venv/bin/python bench/bench_kernels.py [--threads 2]`` (about a minute; nothing else may
+run meanwhile). Shapes are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64,
+MLP 1536, vocabulary 49152) in float32, as the cpu backend runs them; every weight and KV block
+is read from memory, not from cache, as in a real step: each kernel runs over 30 distinct
+layers' tensors per timing.
+
+Prints, per kernel: time per layer, and the rate it reaches in GB/s (bytes of weights or K/V
+read) and GFLOP/s, next to the limits measured here first:
+- memory: a streaming read (``sum`` of 400 MB);
+- arithmetic: a 2048^3 matrix product.
+
+The two workloads of issue 12: a decode step of 8 rows over a 1,536-token shared prefix (+ 2
+own blocks each), and a warm prefill of 64 new tokens over the same prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LAYERS = 30
+HIDDEN, MLP, VOCAB = 576, 1536, 49152
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+GROUP = HEADS // KV_HEADS
+BLOCK = 64
+PREFIX_BLOCKS = 24  # 1,536 tokens
+DECODE_ROWS = 8
+
+_reorder = torch.ops.mkldnn._reorder_linear_weight
+_linear = torch.ops.mkldnn._linear_pointwise
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def seconds(fn: Callable[[], object], reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def limits() -> tuple[float, float]:
+    """(GB/s streaming read, GFLOP/s of a 2048^3 matrix product)."""
+    big = torch.randn(100_000_000)
+    read = big.numel() * 4 / seconds(big.sum) / 1e9
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    gemm = 2 * 2048**3 / seconds(lambda: a @ b) / 1e9
+    return read, gemm
+
+
+Kernel = tuple[str, float, float, float, int]
+"""(name, seconds per call, bytes read per call, FLOPs per call, calls per step)"""
+
+
+def linears(rows: int) -> list[Kernel]:
+    """The oneDNN-packed projections at ``rows`` rows (what ``model.linear_kernel: onednn``
+    runs)."""
+    out = []
+    x_hidden, x_mlp = torch.randn(rows, HIDDEN), torch.randn(rows, MLP)
+    shapes = [
+        ("qkv", 3 * 320, HIDDEN, x_hidden),  # 576 + 2 * 192 outputs
+        ("o", HIDDEN, HIDDEN, x_hidden),
+        ("gate+up", 2 * MLP, HIDDEN, x_hidden),
+        ("down", HIDDEN, MLP, x_mlp),
+    ]
+    for name, n, k, x in shapes:
+        packed = [_reorder(torch.randn(n, k)) for _ in range(LAYERS)]
+        t = seconds(
+            lambda x=x, packed=packed: [_linear(x, w, None, "none", [], "") for w in packed]
+        )
+        t /= LAYERS
+        out.append((name, t, n * k * 4, 2 * rows * n * k, LAYERS))
+    head = _reorder(torch.randn(VOCAB, HIDDEN))
+    head_rows = rows if rows <= DECODE_ROWS else 1  # prefill: the last position only
+    x = torch.randn(head_rows, HIDDEN)
+    t = seconds(lambda: _linear(x, head, None, "none", [], ""))
+    out.append(("LM head", t, VOCAB * HIDDEN * 4, 2 * head_rows * VOCAB * HIDDEN, 1))
+    return out
+
+
+def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    shape = (160, BLOCK, KV_HEADS, HEAD_DIM)
+    return [torch.randn(shape) for _ in range(LAYERS)], [torch.randn(shape) for _ in range(LAYERS)]
+
+
+def attention(rows: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[Kernel]:
+    """The paged-attention op's two flash calls per layer: every row against the shared prefix
+    (read in place), and the own blocks (a mask), for ``rows`` query rows per KV head."""
+    scale = 1 / math.sqrt(HEAD_DIM)
+    shared = PREFIX_BLOCKS * BLOCK
+    q_shared = torch.randn(1, KV_HEADS, rows * GROUP, HEAD_DIM)
+
+    def shared_part(k: torch.Tensor, v: torch.Tensor) -> object:
+        kk = k[1 : 1 + PREFIX_BLOCKS].view(1, shared, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        vv = v[1 : 1 + PREFIX_BLOCKS].view(1, shared, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        return _flash(q_shared, kk, vv, scale=scale)
+
+    if rows == DECODE_ROWS:  # decode: 8 rows, one query each, 2 own blocks each
+        batch, own_len, queries = DECODE_ROWS, 2 * BLOCK, 1
+    else:  # prefill: one row of `rows` queries, one own block
+        batch, own_len, queries = 1, BLOCK, rows
+    q_own = torch.randn(batch, KV_HEADS, queries * GROUP, HEAD_DIM)
+    bias = torch.zeros(batch, 1, queries * GROUP, own_len)
+    bias[..., own_len // 2 + 1 :] = -math.inf
+    own_blocks = batch * own_len // BLOCK
+
+    def own_part(k: torch.Tensor, v: torch.Tensor) -> object:
+        kk = k[100 : 100 + own_blocks].view(batch, own_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        vv = v[100 : 100 + own_blocks].view(batch, own_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        return _flash(q_own, kk, vv, attn_mask=bias, scale=scale)
+
+    def per_layer(fn: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
+        return seconds(lambda: [fn(keys[i], values[i]) for i in range(LAYERS)]) / LAYERS
+
+    kv_bytes_per_key = 2 * KV_HEADS * HEAD_DIM * 4
+    flops_per_score = 4 * HEAD_DIM * KV_HEADS  # q.k and p.v, every KV head
+    return [
+        (
+            "attention, shared prefix",
+            per_layer(shared_part),
+            shared * kv_bytes_per_key,
+            rows * GROUP * shared * flops_per_score,
+            LAYERS,
+        ),
+        (
+            "attention, own blocks",
+            per_layer(own_part),
+            batch * own_len * kv_bytes_per_key,
+            batch * queries * GROUP * own_len * flops_per_score,
+            LAYERS,
+        ),
+    ]
+
+
+def report(title: str, kernels: list[Kernel], read: float, gemm: float) -> None:
+    """Per kernel: its time per step, its rates, and its time at the limits (the larger of
+    bytes / read rate and FLOPs / GEMM rate)."""
+    print(f"\n== {title} ==")
+    print(
+        f"{'kernel':26} {'ms/call':>8} {'calls':>5} {'ms/step':>8} {'GB/s':>6} {'GFLOP/s':>8}"
+        f" {'limit ms/step':>13}"
+    )
+    total = floor = 0.0
+    for name, t, num_bytes, flops, calls in kernels:
+        limit = calls * max(num_bytes / (read * 1e9), flops / (gemm * 1e9))
+        total += calls * t
+        floor += limit
+        print(
+            f"{name:26} {t * 1e3:8.3f} {calls:5d} {calls * t * 1e3:8.1f} "
+            f"{num_bytes / t / 1e9:6.1f} {flops / t / 1e9:8.1f} {limit * 1e3:13.1f}"
+        )
+    print(f"{'total':26} {'':8} {'':5} {total * 1e3:8.1f} {'':6} {'':8} {floor * 1e3:13.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
+    read, gemm = limits()
+    print(f"limits: streaming read {read:.1f} GB/s, 2048^3 matrix product {gemm:.0f} GFLOP/s")
+    keys, values = caches()
+    with torch.inference_mode():
+        for title, rows in (
+            (f"decode step, {DECODE_ROWS} rows, 1,536 shared + 128 own tokens", DECODE_ROWS),
+            ("warm prefill, 64 new tokens after 1,536 cached", 64),
+        ):
+            report(title, linears(rows) + attention(rows, keys, values), read, gemm)
+    print("\nF.linear (MKL) for comparison, 8 rows, gate+up over 30 layers:")
+    weights = [torch.randn(2 * MLP, HIDDEN) for _ in range(LAYERS)]
+    x = torch.randn(DECODE_ROWS, HIDDEN)
+    t = seconds(lambda: [F.linear(x, w) for w in weights]) / LAYERS
+    print(f"  {t * 1e3:.3f} ms/layer, {2 * MLP * HIDDEN * 4 / t / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
