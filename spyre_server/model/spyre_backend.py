@@ -49,8 +49,11 @@ class SpyreModelRunner(ModelRunner):
         import fms.utils.spyre.paged  # noqa: F401  (registers "spyre_paged_attn" with fms)
 
         super().__init__(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
-        with torch.inference_mode():  # as the caches the programs return: no recompilation
-            self.kv_caches = [(k.clone(), v.clone()) for k, v in self.kv_caches]
+        # Inference tensors, as the caches the programs return (no recompilation); one layer at
+        # a time, so start-up holds one layer's copy beyond the cache, not a second cache.
+        with torch.inference_mode():
+            for layer, (k, v) in enumerate(self.kv_caches):
+                self.kv_caches[layer] = (k.clone(), v.clone())
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
