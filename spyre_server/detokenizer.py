@@ -3,6 +3,10 @@
 Text is released only once it is stable: a token sequence that ends inside a multi-byte character
 decodes to U+FFFD and waits for the next token, and the last ``max(len(stop)) - 1`` characters are
 held back while they could still be the start of a stop string.
+
+Stop strings are looked for only once more than ``min_tokens`` tokens exist, as vLLM does: text
+of the first ``min_tokens`` tokens never stops a request by itself, but a stop string that ends
+in a later token's text may begin in it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class IncrementalDetokenizer:
     __slots__ = (
         "_emitted",
         "_hold_back",
+        "_min_tokens",
+        "_num_tokens",
         "_prefix_offset",
         "_read_offset",
         "_stop",
@@ -33,7 +39,11 @@ class IncrementalDetokenizer:
     )
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -42,6 +52,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._stop = tuple(stop)
         self._hold_back = max((len(s) for s in self._stop), default=1) - 1
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        """Output tokens added so far."""
         self.text = ""
         """The output text so far (cut before a stop string once one is found)."""
         self.stop_string: str | None = None
@@ -58,6 +71,7 @@ class IncrementalDetokenizer:
         stopped = False
         for token_id in token_ids:
             self._token_ids.append(token_id)
+            self._num_tokens += 1
             stopped = self._append(self._decode_new(flush=False))
             if stopped:
                 break
@@ -69,12 +83,15 @@ class IncrementalDetokenizer:
         return delta, stopped
 
     def _append(self, new_text: str) -> bool:
-        """Add decoded text; cut it before a stop string and return True if one appears."""
+        """Add decoded text; cut it before a stop string and return True if one appears (once
+        more than ``min_tokens`` tokens exist)."""
         if not new_text:
             return False
-        search_from = max(0, len(self.text) - self._hold_back)
+        new_from = len(self.text)
         self.text += new_text
-        found = self._find_stop(search_from)
+        if self._num_tokens <= self._min_tokens:
+            return False
+        found = self._find_stop(new_from)
         if found is None:
             return False
         cut, self.stop_string = found
@@ -93,7 +110,13 @@ class IncrementalDetokenizer:
         self._read_offset = len(ids)
         return full_text[len(prefix_text) :]
 
-    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
-        """The earliest stop string in the text (the first listed on a tie) and where it is."""
-        found = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+    def _find_stop(self, new_from: int) -> tuple[int, str] | None:
+        """The earliest stop string that ends in the text from ``new_from`` on (the first listed
+        on a tie), and where it starts. Text before ``new_from`` was searched already, or is the
+        first ``min_tokens`` tokens' text."""
+        found = [
+            (i, s)
+            for s in self._stop
+            if (i := self.text.find(s, max(0, new_from - len(s) + 1))) >= 0
+        ]
         return min(found, key=lambda f: f[0]) if found else None

@@ -134,7 +134,9 @@ class LLMEngine:
         self._sampling[request_id] = sampling
         self._states[request_id] = _RequestState(
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.stop, params.min_tokens
+            ),
             num_prompt_tokens=len(prompt_token_ids),
             sampling=sampling,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,

@@ -125,6 +125,42 @@ def test_held_back_text_is_released_when_the_request_finishes() -> None:
     assert detok.add_tokens([], finished=True) == ("short", False)
 
 
+# --- min_tokens -------------------------------------------------------------------------------
+
+
+def test_stop_strings_are_looked_for_only_after_min_tokens() -> None:
+    """Byte tokens: "The" is the first 3 tokens, so its "e" cannot stop the request; the "e"
+    of "tree" does."""
+    detok = IncrementalDetokenizer(TOK, [], stop=("e",), min_tokens=3)
+    results = feed(detok, TOK.encode("The tree"))
+    assert detok.text == "The tr" and detok.stop_string == "e"
+    assert results[-1][1] is True and joined(results) == "The tr"
+    without = IncrementalDetokenizer(TOK, [], stop=("e",))
+    assert joined(feed(without, TOK.encode("The tree"))) == "Th"
+
+
+def test_a_stop_string_may_begin_in_the_first_min_tokens() -> None:
+    """As vLLM: a stop string that ends in a later token's text counts, wherever it begins."""
+    detok = IncrementalDetokenizer(TOK, [], stop=("ab",), min_tokens=1)
+    results = feed(detok, TOK.encode("abc"))
+    assert results[-1] == ("", True) and detok.text == ""
+
+
+def test_a_stop_string_wholly_inside_the_first_min_tokens_never_stops() -> None:
+    """A short stop string listed beside a long one: the long one's hold-back must not make the
+    short one's match inside the first min_tokens tokens count later."""
+    detok = IncrementalDetokenizer(TOK, [], stop=("xyz", "a"), min_tokens=2)
+    results = feed(detok, TOK.encode("ab cd"))
+    assert joined(results) == "ab cd" and detok.stop_string is None
+    assert not any(stopped for _, stopped in results)
+
+
+def test_min_tokens_covering_the_whole_output_finds_no_stop_string() -> None:
+    detok = IncrementalDetokenizer(TOK, [], stop=("b",), min_tokens=4)
+    results = feed(detok, TOK.encode("abab"))
+    assert joined(results) == "abab" and detok.stop_string is None
+
+
 def test_earliest_stop_string_wins() -> None:
     detok = IncrementalDetokenizer(TOK, [], stop=("world", "lo w", "zzz"))
     results = feed(detok, TOK.encode("hello world"))

@@ -114,6 +114,25 @@ def test_stop_string_cuts_the_text_before_it(make_engine: MakeEngine) -> None:
     assert_pool_clean(llm.engine)
 
 
+def test_min_tokens_defers_stop_strings(make_engine: MakeEngine) -> None:
+    """The stop string that ends the request at its first occurrence (the test above) does not
+    while fewer than ``min_tokens`` tokens exist: with min_tokens = max_tokens the output is the
+    whole greedy output (the tiny model's greedy run has no EOS to mask)."""
+    prompt = PROMPTS[0]
+    full = run_alone(make_engine, prompt, greedy(16))
+    assert full.finish_reason is FinishReason.LENGTH
+    stop = next(
+        full.text[i : i + 2]
+        for i in range(2, len(full.text) - 1)
+        if full.text[i : i + 2].isprintable() and "\ufffd" not in full.text[i : i + 2]
+    )
+    stopped = run_alone(make_engine, prompt, greedy(16, stop=(stop,)))
+    assert stopped.finish_reason is FinishReason.STOP and len(stopped.token_ids) < 16
+    deferred = run_alone(make_engine, prompt, greedy(16, stop=(stop,), min_tokens=16))
+    assert deferred.finish_reason is FinishReason.LENGTH
+    assert (deferred.text, deferred.token_ids) == (full.text, full.token_ids)
+
+
 def test_stop_string_never_seen_releases_all_text_at_the_end(make_engine: MakeEngine) -> None:
     full = run_alone(make_engine, PROMPTS[2], greedy(8))
     out = run_alone(make_engine, PROMPTS[2], greedy(8, stop=("\x00\x00\x00 not there",)))
