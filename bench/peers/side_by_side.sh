@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12's side-by-side run: start each server alone on the idle box, run
-# bench/side_by_side.py against it, stop it; then print the table with ours over each peer.
+# bench/side_by_side.py against it, stop it; then print the table with ours over each peer
+# (whatever order the servers ran in: alternate it between runs, the box drifts).
 #   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm] [before]
 # "before" serves another checkout of spyre-server (BEFORE_DIR, e.g. a git worktree of an older
 # commit) with this repo's venv, for before/after numbers in the same run.
@@ -55,7 +56,8 @@ for name in "$@"; do
   "$PY" "$REPO/bench/side_by_side.py" measure --base-url "$URL" --label "$label" \
     --reps "$REPS" --output "$OUT/$name.json"
   stop; trap - EXIT
-  files+=("$OUT/$name.json")
+  if [ "$name" = spyre ]; then files=("$OUT/$name.json" "${files[@]}")  # ours first: the ratios are ours / each
+  else files+=("$OUT/$name.json"); fi
   sleep 5   # let the box settle
 done
 "$PY" "$REPO/bench/side_by_side.py" compare "${files[@]}"
