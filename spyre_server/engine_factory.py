@@ -11,7 +11,7 @@ from spyre_server.engine import LLMEngine
 from spyre_server.model.compile import prepare_backend, sendnn_environment
 from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.cpu_model import cpu_inference_copy
-from spyre_server.model.loading import LoadedModel, num_kv_blocks
+from spyre_server.model.loading import LoadedModel, num_kv_blocks, served_model_name
 from spyre_server.model.runner import ModelRunner, kv_cache_shape
 from spyre_server.model.spyre_backend import SpyreModelRunner
 
@@ -36,7 +36,7 @@ def build_engine(config: Config, loaded: LoadedModel) -> LLMEngine:
     scheduler = Scheduler(
         sched_config,
         hash_seed=config.cache.hash_seed,
-        model_name=config.model.served_model_name or loaded.name,
+        model_name=served_model_name(config, loaded),
     )
     runner = _create_runner(config, loaded, sched_config)
     logger.info(

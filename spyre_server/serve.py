@@ -33,6 +33,7 @@ from spyre_server.model.loading import (
     load_model,
     model_dtype,
     resolve_model_path,
+    served_model_name,
 )
 from spyre_server.structured_output import GrammarCompiler
 
@@ -64,7 +65,7 @@ def build_app(
     """``num_threads``: torch threads the step thread sets when it starts (``None``: whatever
     torch has then)."""
     engine = engine or build_engine(config, loaded)
-    model_name = config.model.served_model_name or loaded.name
+    model_name = served_model_name(config, loaded)
     template = config.model.chat_template
     state = ServerState(
         engine=AsyncEngine(engine, num_threads=num_threads),
@@ -98,7 +99,7 @@ def serve(config: Config) -> None:
     sock = bind_socket(config.server.host, config.server.port)
     loaded = load(config)
     app = build_app(config, loaded, num_threads=compute_threads(config))
-    model_name = config.model.served_model_name or loaded.name
+    model_name = served_model_name(config, loaded)
     del loaded  # the engine holds what it runs (a packed copy of the weights on the cpu backend)
     # Everything alive now (torch, transformers, the model's modules: over a million objects)
     # lives as long as the server: keep it out of the collector, whose full collections

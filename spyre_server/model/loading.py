@@ -37,6 +37,11 @@ class LoadedModel:
     vocab_size: int
 
 
+def served_model_name(config: Config, loaded: LoadedModel) -> str:
+    """The name clients use for the model: ``model.served_model_name``, else the loaded one's."""
+    return config.model.served_model_name or loaded.name
+
+
 def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -3,8 +3,9 @@
 ``F.linear`` hands every call to MKL's sgemm, which packs the weight into its own blocked layout
 again at every call; at the few rows of a decode step that repacking, not the arithmetic, is
 most of the time (SmolLM2, batch 8, 2 cores: 65 ms for the 120 projections of a step against
-38 ms prepacked; ``bench/bench_threads.py`` and RESULTS.md have the numbers). Packing the weights
-once into oneDNN's layout (what inductor's CPU freezing does) removes it.
+38 ms prepacked; ``bench/bench_engine.py --linear-kernel`` and ``bench/bench_kernels.py`` measure
+it, RESULTS.md has the numbers). Packing the weights once into oneDNN's layout (what inductor's
+CPU freezing does) removes it.
 
 ``pack_linears`` swaps a model's ``nn.Linear`` modules in place for ``PackedLinear`` (on the cpu
 backend's own copy of the model, see ``cpu_model.py``). The packed weight is an opaque oneDNN
