@@ -63,6 +63,34 @@ store.prepare_default_model(pathlib.Path('/opt/spyre-server/models'), progress=p
     && chmod -R g=u,o+rX /opt/spyre-server \
     && rm -rf /tmp/build
 
+# ---- kernels: the cpu backend's native kernels (model.linear_kernel: native), compiled here so
+# ---- that the image needs no compiler; rebuilt only when their source changes. Only x86-64 has
+# ---- them (elsewhere linear_kernel auto is onednn).
+FROM ${BASE_IMAGE} AS kernels
+# hadolint ignore=DL3002
+USER 0
+COPY spyre_server/model/native_kernels.py /tmp/build/native_kernels.py
+COPY spyre_server/model/kernels /tmp/build/kernels
+# The compiler is whatever the base's package manager has (it builds one file; no pin, no
+# cleanup: this stage is discarded).
+# hadolint ignore=DL3008,DL3040,DL3041
+RUN set -eu; \
+    mkdir -p /opt/spyre-server/kernels; \
+    if [ "$(uname -m)" = x86_64 ]; then \
+        if command -v apt-get >/dev/null; then \
+            apt-get update -qq; \
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++; \
+        elif command -v dnf >/dev/null; then \
+            dnf install -y gcc-c++; \
+        elif command -v microdnf >/dev/null; then \
+            microdnf install -y gcc-c++; \
+        else \
+            echo "the kernels stage needs apt-get, dnf or microdnf to install g++" >&2; exit 1; \
+        fi; \
+        python3 /tmp/build/native_kernels.py --into /opt/spyre-server/kernels; \
+    fi; \
+    chgrp -R 0 /opt/spyre-server && chmod -R g=u,o+rX /opt/spyre-server
+
 # ---- the image: the base, the venv, the model, then the project itself (a small layer).
 FROM ${BASE_IMAGE}
 USER 0
@@ -77,9 +105,11 @@ RUN if ! getent passwd 1000 >/dev/null; then \
     && chmod 0775 /home/spyre
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=model --chown=1000:0 /opt/spyre-server /opt/spyre-server
+COPY --from=kernels --chown=1000:0 /opt/spyre-server/kernels /opt/spyre-server/kernels
 ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/spyre \
     SPYRE_SERVER_MODEL__CACHE_DIR=/opt/spyre-server/models \
+    SPYRE_SERVER_MODEL__KERNEL_DIR=/opt/spyre-server/kernels \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml README.md /tmp/src/

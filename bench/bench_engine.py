@@ -287,10 +287,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--linear-kernel",
-        choices=("onednn", "aten"),
-        default="onednn",
-        help="model.linear_kernel: oneDNN-packed weights (the server's default) or F.linear; "
-        "the runner always gets the server's model copy (cpu_model.py)",
+        choices=("auto", "native", "onednn", "aten"),
+        default="auto",
+        help="model.linear_kernel: auto (the server's default), our own float32 kernel, "
+        "oneDNN-packed weights or F.linear; the runner always gets the server's model copy "
+        "(cpu_model.py)",
     )
     args = parser.parse_args()
 

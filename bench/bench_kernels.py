@@ -1,7 +1,7 @@
 """The kernels a SmolLM2 step spends its time in, next to this machine's limits.
 
-Run: ``.venv/bin/python bench/bench_kernels.py [--threads 2]`` (about a minute; nothing else may
-run meanwhile). Shapes are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64,
+Run: ``.venv/bin/python bench/bench_kernels.py [--threads 2] [--linear-kernel native|onednn]``
+(about two minutes; nothing else may run meanwhile). Shapes are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64,
 MLP 1536, vocabulary 49152) in float32, as the cpu backend runs them; every weight and KV block
 is read from memory, not from cache, as in a real step: each kernel runs over 30 distinct
 layers' tensors per timing.
@@ -12,7 +12,8 @@ read) and GFLOP/s, next to the limits measured here first:
 - arithmetic: a 2048^3 matrix product.
 
 The two workloads of issue 12: a decode step of 8 rows over a 1,536-token shared prefix (+ 2
-own blocks each), and a warm prefill of 64 new tokens over the same prefix.
+own blocks each), and a warm prefill of 64 new tokens over the same prefix. Then all of a step's
+projections under each linear kernel (native, onednn) at 1, 8, 64 and 256 rows, with the ratio.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
+from spyre_server.model.native_linear import NativeLinear
 
 LAYERS = 30
 HIDDEN, MLP, VOCAB = 576, 1536, 49152
@@ -62,9 +66,26 @@ Kernel = tuple[str, float, float, float, int]
 """(name, seconds per call, bytes read per call, FLOPs per call, calls per step)"""
 
 
-def linears(rows: int) -> list[Kernel]:
-    """The oneDNN-packed projections at ``rows`` rows (what ``model.linear_kernel: onednn``
-    runs)."""
+LinearFactory = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+"""weight -> the projection by it, as a linear kernel packs and runs it."""
+
+
+def onednn_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = _reorder(weight)
+    return lambda x: _linear(x, packed, None, "none", [], "")
+
+
+def native_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight.data = weight
+    return NativeLinear(layer, load_native_kernels(default_kernel_dir()))
+
+
+LINEAR_KERNELS: dict[str, LinearFactory] = {"native": native_linear, "onednn": onednn_linear}
+
+
+def linears(rows: int, factory: LinearFactory) -> list[Kernel]:
+    """The projections at ``rows`` rows, packed and run by ``factory``'s kernel."""
     out = []
     x_hidden, x_mlp = torch.randn(rows, HIDDEN), torch.randn(rows, MLP)
     shapes = [
@@ -74,18 +95,29 @@ def linears(rows: int) -> list[Kernel]:
         ("down", HIDDEN, MLP, x_mlp),
     ]
     for name, n, k, x in shapes:
-        packed = [_reorder(torch.randn(n, k)) for _ in range(LAYERS)]
-        t = seconds(
-            lambda x=x, packed=packed: [_linear(x, w, None, "none", [], "") for w in packed]
-        )
-        t /= LAYERS
+        layers = [factory(torch.randn(n, k)) for _ in range(LAYERS)]
+        t = seconds(lambda x=x, layers=layers: [layer(x) for layer in layers]) / LAYERS
         out.append((name, t, n * k * 4, 2 * rows * n * k, LAYERS))
-    head = _reorder(torch.randn(VOCAB, HIDDEN))
+    head = factory(torch.randn(VOCAB, HIDDEN))
     head_rows = rows if rows <= DECODE_ROWS else 1  # prefill: the last position only
     x = torch.randn(head_rows, HIDDEN)
-    t = seconds(lambda: _linear(x, head, None, "none", [], ""))
+    t = seconds(lambda: head(x))
     out.append(("LM head", t, VOCAB * HIDDEN * 4, 2 * head_rows * VOCAB * HIDDEN, 1))
     return out
+
+
+def compare_linear_kernels(rows_list: tuple[int, ...]) -> None:
+    """All of a step's projections under each kernel, in one run: ms per step and the ratio."""
+    print("\n== the projections of a step (30 layers + LM head) per linear kernel, ms/step ==")
+    names = list(LINEAR_KERNELS)
+    print(f"{'rows':>5} " + " ".join(f"{n:>8}" for n in names) + "   native/onednn")
+    for rows in rows_list:
+        per_kernel = {
+            n: sum(calls * t for _, t, _, _, calls in linears(rows, f))
+            for n, f in LINEAR_KERNELS.items()
+        }
+        cells = " ".join(f"{per_kernel[n] * 1e3:8.1f}" for n in names)
+        print(f"{rows:5d} {cells}   {per_kernel['native'] / per_kernel['onednn']:.2f}x")
 
 
 def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -165,6 +197,13 @@ def report(title: str, kernels: list[Kernel], read: float, gemm: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--linear-kernel",
+        choices=tuple(LINEAR_KERNELS),
+        default="native",
+        help="the projections' kernel in the step tables (default: native, what "
+        "model.linear_kernel auto runs in float32 here)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
@@ -176,7 +215,14 @@ def main() -> None:
             (f"decode step, {DECODE_ROWS} rows, 1,536 shared + 128 own tokens", DECODE_ROWS),
             ("warm prefill, 64 new tokens after 1,536 cached", 64),
         ):
-            report(title, linears(rows) + attention(rows, keys, values), read, gemm)
+            kernels = linears(rows, LINEAR_KERNELS[args.linear_kernel])
+            report(
+                f"{title}, {args.linear_kernel} linears",
+                kernels + attention(rows, keys, values),
+                read,
+                gemm,
+            )
+        compare_linear_kernels((1, 8, 64, 256))
     print("\nF.linear (MKL) for comparison, 8 rows, gate+up over 30 layers:")
     weights = [torch.randn(2 * MLP, HIDDEN) for _ in range(LAYERS)]
     x = torch.randn(DECODE_ROWS, HIDDEN)

@@ -2,14 +2,18 @@
 
 spyre-server and every runtime dependency import; each requirement spyre-server declares is met
 by the installed version; torch is the one the ``TORCH`` build argument asked for: ``cpu``, the
-venv's own install; ``base``, the base image's, untouched. Exits non-zero, saying why, if not.
+venv's own install; ``base``, the base image's, untouched; where the CPU can run them, the
+native kernels the ``kernels`` stage built load without a compiler (which the image lacks).
+Exits non-zero, saying why, if not.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -46,6 +50,14 @@ def main() -> int:
     if args.torch == "cpu" and not in_venv:
         problems.append(f"TORCH=cpu, but torch comes from {torch.__file__}")
     print(f"torch {torch.__version__} from {torch.__file__}")
+    from spyre_server.model import native_kernels
+
+    if native_kernels.unsupported_cpu_reason() is None:
+        kernel_dir = Path(os.environ["SPYRE_SERVER_MODEL__KERNEL_DIR"])
+        try:
+            print(f"native kernels: {native_kernels.load_native_kernels(kernel_dir).path}")
+        except native_kernels.NativeKernelError as exc:
+            problems.append(f"the native kernels do not load: {exc}")
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0

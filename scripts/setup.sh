@@ -16,4 +16,7 @@ python3 -m venv .venv
 # Structured output's grammar engine. --no-deps: it requires triton on Linux x86_64, which only
 # its GPU kernels use (its other dependency, apache-tvm-ffi, is in pyproject.toml).
 .venv/bin/python -m pip install --quiet --no-deps xgrammar==0.2.8
+# The cpu backend's native kernels (model.linear_kernel auto/native on x86-64 with AVX2): g++
+# compiles them once into ~/.cache/spyre-server/kernels (a few seconds).
+.venv/bin/python -m spyre_server.model.native_kernels
 echo "spyre-server installed in .venv"

@@ -47,12 +47,13 @@ class ModelSection(_Section):
     path: Path | None = None
     backend: Literal["cpu", "spyre"] = "cpu"
     compile_backend: Literal["eager", "inductor", "sendnn"] = "sendnn"
-    linear_kernel: Literal["onednn", "aten"] = "onednn"
+    linear_kernel: Literal["auto", "native", "onednn", "aten"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, gt=0)
     served_model_name: str | None = None
     num_threads: int | None = Field(None, gt=0)
     cache_dir: Path | None = None
+    kernel_dir: Path | None = None
     chat_template: str | None = None
 
     @field_validator("chat_template")

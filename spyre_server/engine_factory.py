@@ -82,7 +82,10 @@ def check_backend(config: Config) -> None:
 def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) -> ModelRunner:
     if config.model.backend == "cpu":
         model = cpu_inference_copy(
-            loaded.model, linear_kernel=config.model.linear_kernel, dtype=loaded.dtype
+            loaded.model,
+            linear_kernel=config.model.linear_kernel,
+            dtype=loaded.dtype,
+            kernel_dir=config.model.kernel_dir,
         )
         return CpuModelRunner(
             model,

@@ -15,6 +15,8 @@ the token embedding keeps its tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from fms.modules.head import LinearClassificationHead
 
@@ -69,14 +71,22 @@ def check_onednn(dtype: torch.dtype) -> None:
         ) from exc
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every plain linear layer of ``model`` (in place) by a PackedLinear; returns how
-    many. Already packed layers are left alone."""
+def replace_linears(
+    model: torch.nn.Module, replacement: Callable[[torch.nn.Linear], torch.nn.Module]
+) -> int:
+    """Replace every plain linear layer of ``model`` (in place) by ``replacement(layer)``;
+    returns how many. Layers replaced before are not plain any more, so they are left alone."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) in _PACKABLE:
                 assert isinstance(child, torch.nn.Linear)
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, replacement(child))
                 replaced += 1
     return replaced
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Replace every plain linear layer of ``model`` (in place) by a PackedLinear; returns how
+    many."""
+    return replace_linears(model, PackedLinear)

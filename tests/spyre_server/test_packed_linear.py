@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers of the cpu backend (``model.linear_kernel: onednn``).
+"""Packed linear layers of the cpu backend (``model.linear_kernel``: ``onednn``, ``native``).
 
 Oracle: ``F.linear`` / the unpacked model. A different kernel sums in a different order, so
 results agree to float32 rounding (relative 1e-5), not bit for bit; greedy tokens must agree.
@@ -16,6 +16,7 @@ from spyre_server.model import packed_linear
 from spyre_server.model.cpu_model import cpu_inference_copy
 from spyre_server.model.fast_norm import FastRMSNorm
 from spyre_server.model.fast_rope import FastRotaryEmbedding
+from spyre_server.model.native_linear import NativeLinear
 from spyre_server.model.packed_linear import (
     LinearKernelError,
     PackedLinear,
@@ -44,14 +45,18 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     assert packed(x).shape == (2, rows, 160)
 
 
+PACKED_TYPES = {"onednn": PackedLinear, "native": NativeLinear}
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "native"])
 def test_the_cpu_copy_shares_every_tensor_and_leaves_the_model_alone(
-    tiny_llama_factory: Any,
+    tiny_llama_factory: Any, kernel: str
 ) -> None:
     model = tiny_llama_factory()
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     modules_before = [(n, type(m)) for n, m in model.named_modules()]
     params_before = dict(model.named_parameters())
-    clone = cpu_inference_copy(model, linear_kernel="onednn", dtype=torch.float32)
+    clone = cpu_inference_copy(model, linear_kernel=kernel, dtype=torch.float32)  # type: ignore[arg-type]
 
     assert len(linears) == 5 * 4 + 1  # qkv, dense, wg1_fused, w2 per layer + the head
     # The original is untouched: same module types, same parameter objects.
@@ -59,7 +64,7 @@ def test_the_cpu_copy_shares_every_tensor_and_leaves_the_model_alone(
     assert dict(model.named_parameters()) == params_before
     # The copy: every linear packed, rotary switched, every other tensor the original's object.
     assert not any(isinstance(m, torch.nn.Linear) for m in clone.modules())
-    assert sum(isinstance(m, PackedLinear) for m in clone.modules()) == len(linears)
+    assert sum(type(m) is PACKED_TYPES[kernel] for m in clone.modules()) == len(linears)
     assert all(
         type(x.attn.position_encoder) is FastRotaryEmbedding for x in clone.base_model.layers
     )
@@ -80,11 +85,12 @@ def test_the_cpu_copy_shares_every_tensor_and_leaves_the_model_alone(
     assert [type(m) for m in aten.modules() if isinstance(m, torch.nn.Linear)] == [
         type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)
     ]
-    assert not any(isinstance(m, PackedLinear) for m in aten.modules())
+    assert not any(isinstance(m, PackedLinear | NativeLinear) for m in aten.modules())
 
 
-def test_packed_model_agrees_with_the_plain_one(tiny_llama: Any) -> None:
-    clone = cpu_inference_copy(tiny_llama, linear_kernel="onednn", dtype=torch.float32)
+@pytest.mark.parametrize("kernel", ["onednn", "native"])
+def test_packed_model_agrees_with_the_plain_one(tiny_llama: Any, kernel: str) -> None:
+    clone = cpu_inference_copy(tiny_llama, linear_kernel=kernel, dtype=torch.float32)  # type: ignore[arg-type]
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         plain = tiny_llama(ids)
@@ -98,10 +104,11 @@ def test_engines_with_either_kernel_generate_the_same_tokens(make_engine: Any) -
     from spyre_server.sampling import SamplingParams
 
     outputs = {}
-    for kernel in ("onednn", "aten"):
+    for kernel in ("native", "onednn", "aten"):
         engine = make_engine(model__linear_kernel=kernel)
-        is_packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
-        assert is_packed == (kernel == "onednn")
+        kinds = {type(m) for m in engine.runner.model.modules()}
+        assert (PackedLinear in kinds) == (kernel == "onednn")
+        assert (NativeLinear in kinds) == (kernel == "native")
         prompts = {f"r{i}": [(7 * i + j) % 256 for j in range(30 + 50 * i)] for i in range(3)}
         for rid, prompt in prompts.items():
             engine.add_request(
@@ -115,6 +122,7 @@ def test_engines_with_either_kernel_generate_the_same_tokens(make_engine: Any) -
         outputs[kernel] = tokens
     assert all(len(t) == 12 for t in outputs["aten"].values())
     assert outputs["onednn"] == outputs["aten"]
+    assert outputs["native"] == outputs["aten"]
 
 
 def test_missing_onednn_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,180 @@
+"""Our own CPU kernels (C++ in ``kernels/``): compiled once per source and flags, loaded with ctypes.
+
+The shared library lives in a directory (``model.kernel_dir``, default ``default_kernel_dir()``)
+under a name that carries a hash of the source and the compiler flags, so a changed source builds anew and a stale library is never loaded. It is
+built with the C++ compiler (``$CXX``, else ``g++``) the first time it is needed, or ahead of
+time with ``python -m spyre_server.model.native_kernels`` (the image does this in a build stage,
+so the server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA.
+
+This module does not import torch, so the image's build stage can run it alone; load the
+library only after torch (``NativeLinear`` does): its OpenMP calls then bind to the libgomp torch
+loaded, and run on torch's thread pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "linear_f32.cpp"
+FLAGS = (
+    "-std=c++17",
+    "-O3",
+    "-mavx2",
+    "-mfma",
+    "-fopenmp",
+    "-fno-exceptions",
+    "-fno-rtti",
+    "-shared",
+    "-fPIC",
+)
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernels cannot be built or loaded here; the message says why and what to do."""
+
+
+_OTHER_KERNEL = "model.linear_kernel: onednn"
+
+
+def default_kernel_dir() -> Path:
+    """``$XDG_CACHE_HOME`` (or ``~/.cache``) ``/spyre-server/kernels``, beside the model cache."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "spyre-server" / "kernels"
+
+
+def library_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(FLAGS).encode()).hexdigest()
+    return f"{SOURCE.stem}-{digest[:16]}.so"
+
+
+def unsupported_cpu_reason() -> str | None:
+    """Why this CPU cannot run the kernels, or None when it can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"they are x86-64 AVX2 code and this machine is {platform.machine()}"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError as exc:
+        return f"cannot read /proc/cpuinfo to check for AVX2 and FMA ({exc})"
+    flags = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in cpuinfo.splitlines()
+            if line.startswith("flags")
+        ),
+        [],
+    )
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def build(directory: Path) -> Path:
+    """Compile the library into ``directory`` unless it is there already; returns its path."""
+    target = directory / library_name()
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        raise NativeKernelError(
+            f"model.linear_kernel 'native' compiles its kernels once with a C++ compiler, and "
+            f"{compiler!r} is not on PATH: install g++ (Debian: apt-get install g++), set CXX, "
+            f"build them ahead of time with `python -m spyre_server.model.native_kernels`, "
+            f"or set {_OTHER_KERNEL}"
+        )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # Compile beside the target, then rename: concurrent builders never see a partial file.
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:
+            partial = Path(scratch) / target.name
+            result = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                raise NativeKernelError(
+                    f"compiling {SOURCE.name} with {compiler} failed (or set {_OTHER_KERNEL}):\n"
+                    f"{result.stderr.strip()}"
+                )
+            os.replace(partial, target)
+    except OSError as exc:
+        raise NativeKernelError(
+            f"cannot write the native kernels to {directory} ({exc}); set model.kernel_dir to a "
+            f"writable directory, or set {_OTHER_KERNEL}"
+        ) from exc
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class NativeKernels:
+    """The library's functions, called with data pointers (``tensor.data_ptr()``) and sizes."""
+
+    path: Path
+    packed_numel: Callable[[int, int], int]
+    """(N, K) -> floats of the panels of an [N, K] weight."""
+    pack: Callable[[int, int, int, int], None]
+    """(weight, panels, N, K): packs a contiguous float32 [N, K] weight into 32-byte-aligned
+    panels."""
+    linear: Callable[[int, int, int, int, int, int], None]
+    """(x, panels, out, M, K, N): out [M, N] = x [M, K] @ weight.T, both contiguous."""
+
+
+@functools.cache
+def load_native_kernels(directory: Path) -> NativeKernels:
+    """Build (if needed) into ``directory`` and load the kernels; raises NativeKernelError where
+    they cannot run."""
+    if reason := unsupported_cpu_reason():
+        raise NativeKernelError(
+            f"model.linear_kernel 'native' cannot run here: {reason}; set {_OTHER_KERNEL}"
+        )
+    import torch  # noqa: F401  (first: the library's libgomp.so.1 must resolve to torch's)
+
+    path = build(directory)
+    lib = ctypes.CDLL(str(path))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.spyre_linear_f32_packed_numel.argtypes = [i64, i64]
+    lib.spyre_linear_f32_packed_numel.restype = i64
+    lib.spyre_linear_f32_pack.argtypes = [ptr, ptr, i64, i64]
+    lib.spyre_linear_f32_pack.restype = None
+    lib.spyre_linear_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.spyre_linear_f32.restype = None
+    return NativeKernels(
+        path=path,
+        packed_numel=lib.spyre_linear_f32_packed_numel,
+        pack=lib.spyre_linear_f32_pack,
+        linear=lib.spyre_linear_f32,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Build the native CPU kernels ahead of time (skipped, with the reason, on a "
+        "CPU that cannot run them)."
+    )
+    parser.add_argument(
+        "--into", type=Path, default=None, help="directory (default: default_kernel_dir())"
+    )
+    args = parser.parse_args()
+    if reason := unsupported_cpu_reason():
+        print(f"native kernels not built: {reason} (model.linear_kernel auto uses onednn)")
+        return
+    try:
+        print(build(args.into or default_kernel_dir()))
+    except NativeKernelError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()

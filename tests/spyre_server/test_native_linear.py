@@ -1,0 +1,193 @@
+"""Our own float32 linear kernel (``model.linear_kernel: native``), its build and its choice.
+
+Oracle: ``F.linear`` in float64. The kernel sums each output in k order in float32, so its error
+is bounded by K float32 roundings of the products' magnitudes: |err| <= K * 2^-24 * (|x| @ |w|^T)
+(plus the bias' one rounding), checked element by element.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spyre_server.model import cpu_model, native_kernels
+from spyre_server.model.cpu_model import resolve_linear_kernel
+from spyre_server.model.native_kernels import (
+    NativeKernelError,
+    build,
+    default_kernel_dir,
+    load_native_kernels,
+)
+from spyre_server.model.native_linear import NativeLinear
+from spyre_server.model.packed_linear import LinearKernelError
+
+pytestmark = pytest.mark.skipif(
+    native_kernels.unsupported_cpu_reason() is not None,
+    reason=f"native kernels cannot run here: {native_kernels.unsupported_cpu_reason()}",
+)
+EPS32 = 2.0**-24
+
+
+def assert_within_float32_bound(
+    out: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear
+) -> None:
+    w = linear.weight.double()
+    b = None if linear.bias is None else linear.bias.double()
+    exact = F.linear(x.double(), w, b)
+    magnitude = F.linear(x.double().abs(), w.abs())
+    bound = (x.shape[-1] + 1) * EPS32 * magnitude
+    if b is not None:
+        bound += EPS32 * (exact.abs() + b.abs())
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    excess = (out.double() - exact).abs() - bound
+    assert excess.max() <= 0, f"worst excess over the float32 bound: {excess.max():.3g}"
+
+
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    [(1, 1), (7, 3), (8, 16), (23, 5), (24, 64), (25, 33), (49, 96), (960, 576)],
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64, 257])
+def test_native_linear_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    """Every row-block (4, 3, 2, 1 rows), panel-block (3, 2, 1 panels) and partial last panel."""
+    torch.manual_seed(rows * 1000 + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    native = NativeLinear(linear, load_native_kernels(default_kernel_dir()))
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        assert_within_float32_bound(native(x), x, linear)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_takes_any_leading_shape_and_strided_input(bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=bias)
+    native = NativeLinear(linear, load_native_kernels(default_kernel_dir()))
+    x = torch.randn(2, 5, 96)
+    strided = torch.randn(6, 192)[:, ::2]
+    empty = torch.randn(1, 0, 96)
+    with torch.inference_mode():
+        assert_within_float32_bound(native(x), x, linear)
+        assert_within_float32_bound(native(strided), strided, linear)
+        assert native(empty).shape == (1, 0, 40)
+
+
+def test_the_kernel_writes_exactly_its_outputs() -> None:
+    """A partial last panel is padded with zero columns inside the kernel; the padding must not
+    reach the memory after each output row."""
+    kernels = load_native_kernels(default_kernel_dir())
+    rows, out_features, in_features = 5, 13, 7
+    weight = torch.randn(out_features, in_features)
+    panels = torch.empty(kernels.packed_numel(out_features, in_features))
+    assert panels.numel() == 16 * in_features  # two panels of 8 columns
+    kernels.pack(weight.data_ptr(), panels.data_ptr(), out_features, in_features)
+    x = torch.randn(rows, in_features)
+    canvas = torch.full((rows * out_features + 64,), float("nan"))
+    kernels.linear(
+        x.data_ptr(), panels.data_ptr(), canvas.data_ptr(), rows, in_features, out_features
+    )
+    out = canvas[: rows * out_features].view(rows, out_features)
+    assert torch.allclose(out, x @ weight.T, rtol=1e-5, atol=1e-6)
+    assert canvas[rows * out_features :].isnan().all()
+
+
+def test_a_row_gets_the_same_bits_in_any_batch() -> None:
+    """Batch invariance: each output is one k-ordered sum whatever the other rows are, so a
+    request's logits do not depend on which requests share its decode step."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(576, 960, bias=False)
+    native = NativeLinear(linear, load_native_kernels(default_kernel_dir()))
+    x = torch.randn(9, 576)
+    with torch.inference_mode():
+        batch = native(x)
+        for i in (0, 4, 8):
+            assert torch.equal(native(x[i : i + 1])[0], batch[i])
+            assert torch.equal(native(x[i : i + 3])[0], batch[i])
+
+
+def test_the_kernel_runs_on_torchs_openmp_runtime() -> None:
+    """One libgomp in the process: a second OpenMP runtime would add a second thread pool that
+    competes with torch's for the cores."""
+    load_native_kernels(default_kernel_dir())
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert len(runtimes) == 1
+    assert Path(runtimes.pop()).parent == torch_lib
+
+
+def test_build_caches_by_source_and_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = build(tmp_path)
+    assert first.parent == tmp_path and first.name == native_kernels.library_name()
+    mtime = first.stat().st_mtime_ns
+    assert build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch left behind
+    lib = ctypes.CDLL(str(first))
+    assert lib.spyre_linear_f32_packed_numel(ctypes.c_int64(9), ctypes.c_int64(2)) == 32
+
+    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DSPYRE_TEST_FLAG"))
+    assert native_kernels.library_name() != first.name  # other flags: another library
+
+
+def test_the_default_kernel_dir_is_beside_the_model_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native_kernels.default_kernel_dir() == tmp_path / "spyre-server" / "kernels"
+
+
+def test_the_engine_builds_into_model_kernel_dir(tmp_path: Path, make_engine: Any) -> None:
+    engine = make_engine(model__linear_kernel="native", model__kernel_dir=str(tmp_path))
+    assert any(isinstance(m, NativeLinear) for m in engine.runner.model.modules())
+    assert [p.name for p in tmp_path.iterdir()] == [native_kernels.library_name()]
+
+
+def test_a_missing_compiler_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(NativeKernelError, match=r"'no-such-compiler' is not on PATH.*onednn"):
+        build(tmp_path)
+
+
+def test_a_failed_compile_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-Werror=no-such-flag"))
+    with pytest.raises(NativeKernelError, match=r"compiling linear_f32\.cpp .*failed.*onednn"):
+        build(tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_unwritable_kernel_dir_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")  # a directory below a file cannot be made, even by root
+    with pytest.raises(NativeKernelError, match=r"cannot write the native kernels.*kernel_dir"):
+        build(tmp_path / "a-file" / "kernels")
+
+
+def test_auto_picks_native_for_float32_and_onednn_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert resolve_linear_kernel("auto", torch.float32) == "native"
+    assert resolve_linear_kernel("auto", torch.bfloat16) == "onednn"
+    for kernel in ("native", "onednn", "aten"):
+        assert resolve_linear_kernel(kernel, torch.float32) == kernel  # type: ignore[arg-type]
+    with pytest.raises(LinearKernelError, match=r"'native' computes in float32.*bfloat16"):
+        resolve_linear_kernel("native", torch.bfloat16)
+    monkeypatch.setattr(cpu_model, "unsupported_cpu_reason", lambda: "this CPU lacks avx2")
+    assert resolve_linear_kernel("auto", torch.float32) == "onednn"
+
+
+def test_a_cpu_without_avx2_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_kernels, "unsupported_cpu_reason", lambda: "this CPU lacks avx2")
+    load_native_kernels.cache_clear()
+    try:
+        with pytest.raises(
+            NativeKernelError, match=r"cannot run here: this CPU lacks avx2.*onednn"
+        ):
+            load_native_kernels(default_kernel_dir())
+    finally:
+        load_native_kernels.cache_clear()
