@@ -63,9 +63,9 @@ store.prepare_default_model(pathlib.Path('/opt/spyre-server/models'), progress=p
     && chmod -R g=u,o+rX /opt/spyre-server \
     && rm -rf /tmp/build
 
-# ---- kernels: the cpu backend's native kernels (model.linear_kernel: native), compiled here so
-# ---- that the image needs no compiler; rebuilt only when their source changes. Only x86-64 has
-# ---- them (elsewhere linear_kernel auto is onednn).
+# ---- kernels: the cpu backend's native kernels (linear_kernel and attention_kernel native),
+# ---- compiled here so that the image needs no compiler; rebuilt only when their source changes.
+# ---- Only x86-64 has them (elsewhere the auto kernels are onednn and flash).
 FROM ${BASE_IMAGE} AS kernels
 # hadolint ignore=DL3002
 USER 0

@@ -40,8 +40,10 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.model.cpu_backend import CpuModelRunner
-from spyre_server.model.cpu_model import cpu_inference_copy
+from spyre_server.model.cpu_model import cpu_inference_copy, cpu_shared_attention
 from spyre_server.model.loading import cpu_flags, load_model
+from spyre_server.model.paged_attention import SharedAttention
+from spyre_server.model.runner import kv_cache_shape
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
 BS = 64
@@ -80,12 +82,24 @@ def sampled(step: ScheduledStep, logits: torch.Tensor | None) -> ModelRunnerOutp
 
 
 class Bench:
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, vocab: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: torch.dtype,
+        vocab: int,
+        shared_attention: SharedAttention | None = None,
+    ) -> None:
         self.model = model
         self.dtype = dtype
         self.vocab = vocab
         self.num_blocks = 160
-        self.runner = CpuModelRunner(model, num_blocks=self.num_blocks, block_size=BS, dtype=dtype)
+        self.runner = CpuModelRunner(
+            model,
+            num_blocks=self.num_blocks,
+            block_size=BS,
+            dtype=dtype,
+            shared_attention=shared_attention,
+        )
 
     def scheduler(
         self, chunk_size: int, *, caching: bool = True, max_num_seqs: int = 8
@@ -293,6 +307,12 @@ def main() -> None:
         "oneDNN-packed weights or F.linear; the runner always gets the server's model copy "
         "(cpu_model.py)",
     )
+    parser.add_argument(
+        "--attention-kernel",
+        choices=("auto", "native", "flash"),
+        default="auto",
+        help="model.attention_kernel: auto (the server's default), ours, or SDPA's flash kernel",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -301,7 +321,7 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct from {path}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, reps {args.reps} "
-        f"(median), linear kernel {args.linear_kernel}"
+        f"(median), linear kernel {args.linear_kernel}, attention kernel {args.attention_kernel}"
     )
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f} on {os.cpu_count()} CPUs")
@@ -324,7 +344,10 @@ def main() -> None:
     for dtype, label in dtypes:
         loaded = load_model(path, dtype)
         model = cpu_inference_copy(loaded.model, linear_kernel=args.linear_kernel, dtype=dtype)
-        bench = Bench(model, dtype, loaded.vocab_size)
+        shared_attention = cpu_shared_attention(
+            args.attention_kernel, dtype=dtype, head_dim=kv_cache_shape(model).head_dim
+        )
+        bench = Bench(model, dtype, loaded.vocab_size, shared_attention)
         for section in args.sections.split(","):
             results += SECTIONS[section](bench, args.reps, label)
         if args.profile:

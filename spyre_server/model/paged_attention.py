@@ -26,7 +26,7 @@ Selected per forward call with ``attn_name=ATTN_NAME`` and the keyword arguments
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,12 +157,27 @@ def _consecutive(block_ids: Sequence[int]) -> tuple[int, int] | None:
     return first, first + len(block_ids)
 
 
-def paged_attention_kwargs(slot_mapping: torch.Tensor, plan: AttentionPlan) -> dict[str, Any]:
+SharedAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
+"""``(q [1, kvheads, rows, head_dim], keys [num_keys, kvheads, head_dim], values, scale) ->
+(out, lse)``: attention over unmasked keys, as ``NativeSharedAttention`` computes it."""
+
+
+def paged_attention_kwargs(
+    slot_mapping: torch.Tensor, plan: AttentionPlan, shared_attention: SharedAttention | None = None
+) -> dict[str, Any]:
     """Keyword arguments for an fms forward with our op, built once per step (not per layer).
 
     ``slot_mapping``: ``[batch * num_queries]``, where each query position's K/V is stored.
+    ``shared_attention``: computes the shared blocks' part (None: SDPA's flash kernel).
     """
-    return {"attn_name": ATTN_NAME, "slot_mapping": slot_mapping, "plan": plan}
+    return {
+        "attn_name": ATTN_NAME,
+        "slot_mapping": slot_mapping,
+        "plan": plan,
+        "shared_attention": shared_attention,
+    }
 
 
 def _store(
@@ -197,20 +212,25 @@ def _compute(
 ) -> torch.Tensor:
     """``query``: ``[batch, num_queries, nheads, head_dim]`` -> the same shape."""
     plan: AttentionPlan = kwargs["plan"]
+    shared_attention: SharedAttention | None = kwargs.get("shared_attention")
     batch, num_queries, _, head_dim = query.shape
     group = nheads // kvheads
     # [batch, kvheads, num_queries * group, head_dim]: the query heads of one KV head as rows.
     q = query.view(batch, num_queries, kvheads, group, head_dim).transpose(1, 2)
     q = q.reshape(batch, kvheads, num_queries * group, head_dim)
     if len(plan.groups) == 1 and plan.groups[0].rows is None:
-        out = _attend(q, key_cache, value_cache, plan.groups[0], group, scale_factor)
+        out = _attend(
+            q, key_cache, value_cache, plan.groups[0], group, scale_factor, shared_attention
+        )
     else:
         out = torch.empty_like(q)
         for row_group in plan.groups:
             rows = row_group.rows
             assert rows is not None
             q_rows = q.index_select(0, rows)
-            attended = _attend(q_rows, key_cache, value_cache, row_group, group, scale_factor)
+            attended = _attend(
+                q_rows, key_cache, value_cache, row_group, group, scale_factor, shared_attention
+            )
             out.index_copy_(0, rows, attended)
     # [batch, kvheads, num_queries, group, head_dim] -> [batch, num_queries, nheads, head_dim]
     out = out.view(batch, kvheads, num_queries, group, head_dim).transpose(1, 2)
@@ -224,6 +244,7 @@ def _attend(
     rows: RowGroup,
     group: int,
     scale: float | None,
+    shared_attention: SharedAttention | None,
 ) -> torch.Tensor:
     """Attention of one row group: ``q`` ``[n, kvheads, num_rows, head_dim]`` -> the same."""
     batch, kvheads, num_rows, head_dim = q.shape
@@ -249,12 +270,21 @@ def _attend(
     shared_len = rows.shared_blocks.numel() * block_size
     shared_keys = _blocks(key_cache, rows.shared_blocks, rows.shared_span)
     shared_values = _blocks(value_cache, rows.shared_blocks, rows.shared_span)
-    shared_out, shared_lse = _flash_attention(
-        q.transpose(0, 1).reshape(1, kvheads, batch * num_rows, head_dim),
-        shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
-        shared_values.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
-        scale=scale,
-    )
+    shared_q = q.transpose(0, 1).reshape(1, kvheads, batch * num_rows, head_dim)
+    if shared_attention is not None:
+        shared_out, shared_lse = shared_attention(
+            shared_q,
+            shared_keys.view(shared_len, kvheads, head_dim),
+            shared_values.view(shared_len, kvheads, head_dim),
+            scale if scale is not None else 1 / math.sqrt(head_dim),
+        )
+    else:
+        shared_out, shared_lse = _flash_attention(
+            shared_q,
+            shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+            shared_values.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+            scale=scale,
+        )
     shared_out = shared_out.view(kvheads, batch, num_rows, head_dim).transpose(0, 1)
     shared_lse = shared_lse.view(kvheads, batch, num_rows).transpose(0, 1)
     own_share = torch.sigmoid(lse - shared_lse).unsqueeze(-1)

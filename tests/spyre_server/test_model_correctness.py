@@ -31,6 +31,7 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.model.cpu_backend import CpuModelRunner
+from spyre_server.model.paged_attention import SharedAttention
 from spyre_server.model.runner import ModelRunner
 
 BS = 64
@@ -110,6 +111,7 @@ class Harness:
         max_model_len: int = 1024,
         enable_prefix_caching: bool = True,
         check: StepCheck | None = None,
+        shared_attention: SharedAttention | None = None,
     ) -> None:
         self.sched = Scheduler(
             SchedulerConfig(
@@ -122,7 +124,11 @@ class Harness:
             hash_seed=0,
         )
         self.runner = CpuModelRunner(
-            model, num_blocks=num_blocks, block_size=BS, dtype=torch.float32
+            model,
+            num_blocks=num_blocks,
+            block_size=BS,
+            dtype=torch.float32,
+            shared_attention=shared_attention,
         )
         self.check = check
         self.traces: dict[str, Trace] = {}

@@ -25,11 +25,9 @@ from spyre_server.model.native_kernels import (
 )
 from spyre_server.model.native_linear import NativeLinear
 from spyre_server.model.packed_linear import LinearKernelError
+from tests.conftest import needs_native_kernels
 
-pytestmark = pytest.mark.skipif(
-    native_kernels.unsupported_cpu_reason() is not None,
-    reason=f"native kernels cannot run here: {native_kernels.unsupported_cpu_reason()}",
-)
+pytestmark = needs_native_kernels
 EPS32 = 2.0**-24
 
 
@@ -157,7 +155,10 @@ def test_a_missing_compiler_is_a_clear_error(
 
 def test_a_failed_compile_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-Werror=no-such-flag"))
-    with pytest.raises(NativeKernelError, match=r"compiling linear_f32\.cpp .*failed.*onednn"):
+    with pytest.raises(
+        NativeKernelError,
+        match=r"compiling the native kernels \(linear_f32\.cpp, attention_f32\.cpp\).*failed.*onednn",
+    ):
         build(tmp_path)
     assert not any(tmp_path.iterdir())
 
