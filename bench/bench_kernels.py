@@ -1,10 +1,10 @@
 """The kernels a SmolLM2 step spends its time in, next to this machine's limits.
 
-Run: ``.venv/bin/python bench/bench_kernels.py [--threads 2] [--linear-kernel native|onednn]``
-(about two minutes; nothing else may run meanwhile). Shapes are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64,
-MLP 1536, vocabulary 49152) in float32, as the cpu backend runs them; every weight and KV block
-is read from memory, not from cache, as in a real step: each kernel runs over 30 distinct
-layers' tensors per timing.
+Run: ``.venv/bin/python bench/bench_kernels.py [--threads 2] [--linear-kernel native|onednn]
+[--attention-kernel native|flash]`` (about two minutes; nothing else may run meanwhile). Shapes
+are SmolLM2-135M's (30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary
+49152) in float32, as the cpu backend runs them; every weight and KV block is read from memory,
+not from cache, as in a real step: each kernel runs over 30 distinct layers' tensors per timing.
 
 Prints, per kernel: time per layer, and the rate it reaches in GB/s (bytes of weights or K/V
 read) and GFLOP/s, next to the limits measured here first:
@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from spyre_server.model.native_attention import NativeSharedAttention
 from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
 from spyre_server.model.native_linear import NativeLinear
 
@@ -125,17 +126,25 @@ def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [torch.randn(shape) for _ in range(LAYERS)], [torch.randn(shape) for _ in range(LAYERS)]
 
 
-def attention(rows: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[Kernel]:
-    """The paged-attention op's two flash calls per layer: every row against the shared prefix
-    (read in place), and the own blocks (a mask), for ``rows`` query rows per KV head."""
+def attention(
+    rows: int, keys: list[torch.Tensor], values: list[torch.Tensor], shared_kernel: str
+) -> list[Kernel]:
+    """The paged-attention op's two attention calls per layer: every row against the shared
+    prefix (read in place; ``shared_kernel`` native or flash), and the own blocks (a mask,
+    flash), for ``rows`` query rows per KV head."""
     scale = 1 / math.sqrt(HEAD_DIM)
     shared = PREFIX_BLOCKS * BLOCK
     q_shared = torch.randn(1, KV_HEADS, rows * GROUP, HEAD_DIM)
+    native = NativeSharedAttention(load_native_kernels(default_kernel_dir()))
 
     def shared_part(k: torch.Tensor, v: torch.Tensor) -> object:
-        kk = k[1 : 1 + PREFIX_BLOCKS].view(1, shared, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        vv = v[1 : 1 + PREFIX_BLOCKS].view(1, shared, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        return _flash(q_shared, kk, vv, scale=scale)
+        kk = k[1 : 1 + PREFIX_BLOCKS].view(shared, KV_HEADS, HEAD_DIM)
+        vv = v[1 : 1 + PREFIX_BLOCKS].view(shared, KV_HEADS, HEAD_DIM)
+        if shared_kernel == "native":
+            return native(q_shared, kk, vv, scale)
+        return _flash(
+            q_shared, kk.unsqueeze(0).transpose(1, 2), vv.unsqueeze(0).transpose(1, 2), scale=scale
+        )
 
     if rows == DECODE_ROWS:  # decode: 8 rows, one query each, 2 own blocks each
         batch, own_len, queries = DECODE_ROWS, 2 * BLOCK, 1
@@ -158,7 +167,7 @@ def attention(rows: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -
     flops_per_score = 4 * HEAD_DIM * KV_HEADS  # q.k and p.v, every KV head
     return [
         (
-            "attention, shared prefix",
+            f"attention, shared ({shared_kernel})",
             per_layer(shared_part),
             shared * kv_bytes_per_key,
             rows * GROUP * shared * flops_per_score,
@@ -174,24 +183,33 @@ def attention(rows: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -
     ]
 
 
-def report(title: str, kernels: list[Kernel], read: float, gemm: float) -> None:
+def report(
+    title: str, kernels: list[Kernel], read: float, gemm: float, others: list[Kernel]
+) -> None:
     """Per kernel: its time per step, its rates, and its time at the limits (the larger of
-    bytes / read rate and FLOPs / GEMM rate)."""
+    bytes / read rate and FLOPs / GEMM rate); then ``others`` (alternatives, not in the
+    total)."""
     print(f"\n== {title} ==")
     print(
         f"{'kernel':26} {'ms/call':>8} {'calls':>5} {'ms/step':>8} {'GB/s':>6} {'GFLOP/s':>8}"
         f" {'limit ms/step':>13}"
     )
     total = floor = 0.0
-    for name, t, num_bytes, flops, calls in kernels:
+    for row, (name, t, num_bytes, flops, calls) in enumerate([*kernels, *others]):
         limit = calls * max(num_bytes / (read * 1e9), flops / (gemm * 1e9))
-        total += calls * t
-        floor += limit
+        if row < len(kernels):
+            total += calls * t
+            floor += limit
+        elif row == len(kernels):
+            print(
+                f"{'total':26} {'':8} {'':5} {total * 1e3:8.1f} {'':6} {'':8} {floor * 1e3:13.1f}"
+            )
         print(
             f"{name:26} {t * 1e3:8.3f} {calls:5d} {calls * t * 1e3:8.1f} "
             f"{num_bytes / t / 1e9:6.1f} {flops / t / 1e9:8.1f} {limit * 1e3:13.1f}"
         )
-    print(f"{'total':26} {'':8} {'':5} {total * 1e3:8.1f} {'':6} {'':8} {floor * 1e3:13.1f}")
+    if not others:
+        print(f"{'total':26} {'':8} {'':5} {total * 1e3:8.1f} {'':6} {'':8} {floor * 1e3:13.1f}")
 
 
 def main() -> None:
@@ -203,6 +221,13 @@ def main() -> None:
         default="native",
         help="the projections' kernel in the step tables (default: native, what "
         "model.linear_kernel auto runs in float32 here)",
+    )
+    parser.add_argument(
+        "--attention-kernel",
+        choices=("native", "flash"),
+        default="native",
+        help="the shared prefix's attention kernel in the step tables (default: native; its "
+        "flash time is listed after the total)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -216,11 +241,14 @@ def main() -> None:
             ("warm prefill, 64 new tokens after 1,536 cached", 64),
         ):
             kernels = linears(rows, LINEAR_KERNELS[args.linear_kernel])
+            step_kernels = kernels + attention(rows, keys, values, args.attention_kernel)
+            other = "flash" if args.attention_kernel == "native" else "native"
             report(
                 f"{title}, {args.linear_kernel} linears",
-                kernels + attention(rows, keys, values),
+                step_kernels,
                 read,
                 gemm,
+                others=attention(rows, keys, values, other)[:1],
             )
         compare_linear_kernels((1, 8, 64, 256))
     print("\nF.linear (MKL) for comparison, 8 rows, gate+up over 30 layers:")
