@@ -34,6 +34,7 @@ from spyre_server.model.fast_rope import use_fast_rope
 from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativeSharedAttention
 from spyre_server.model.native_kernels import (
     NativeKernelError,
+    NativeKernels,
     default_kernel_dir,
     load_native_kernels,
     unsupported_cpu_reason,
@@ -95,12 +96,17 @@ def cpu_shared_attention(
     if resolve_attention_kernel(attention_kernel, dtype, head_dim) == "flash":
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
+    logger.info("cpu kernels: attention_kernel native (%s)", attention_kernel)
+    return NativeSharedAttention(_native_kernels(kernel_dir))
+
+
+def _native_kernels(kernel_dir: Path | None) -> NativeKernels:
+    """The kernels built in (or loaded from) ``kernel_dir`` (None: the default), or a
+    LinearKernelError, the start-up error of a kernel that cannot run here."""
     try:
-        kernels = load_native_kernels(kernel_dir or default_kernel_dir())
+        return load_native_kernels(kernel_dir or default_kernel_dir())
     except NativeKernelError as exc:
         raise LinearKernelError(str(exc)) from exc
-    logger.info("cpu kernels: attention_kernel native (%s)", attention_kernel)
-    return NativeSharedAttention(kernels)
 
 
 def cpu_inference_copy(
@@ -121,7 +127,7 @@ def cpu_inference_copy(
     num_rope = use_fast_rope(clone)
     num_norms = use_fast_rms_norm(clone)
     if kernel == "native":
-        num_replaced = use_native_linears(clone, kernel_dir or default_kernel_dir())
+        num_replaced = use_native_linears(clone, _native_kernels(kernel_dir))
     elif kernel == "onednn":
         num_replaced = pack_linears(clone)
     else:

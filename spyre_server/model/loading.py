@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from spyre_server.config import Config
+from spyre_server.model.native_kernels import cpu_flags
 from spyre_server.model.runner import kv_cache_shape
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
@@ -40,14 +41,6 @@ class LoadedModel:
 def served_model_name(config: Config, loaded: LoadedModel) -> str:
     """The name clients use for the model: ``model.served_model_name``, else the loaded one's."""
     return config.model.served_model_name or loaded.name
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()}
 
 
 def resolve_dtype(

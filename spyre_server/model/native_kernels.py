@@ -1,14 +1,16 @@
-"""Our own CPU kernels (C++ in ``kernels/``): compiled once per sources and flags, loaded with ctypes.
+"""Our own CPU kernels (C++ in ``kernels/``): compiled once per sources and flags, loaded with
+ctypes.
 
 The shared library lives in a directory (``model.kernel_dir``, default ``default_kernel_dir()``)
-under a name that carries a hash of the sources and the compiler flags, so a changed source builds anew and a stale library is never loaded. It is
-built with the C++ compiler (``$CXX``, else ``g++``) the first time it is needed, or ahead of
-time with ``python -m spyre_server.model.native_kernels`` (the image does this in a build stage,
-so the server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA.
+under a name that carries a hash of the sources and the compiler flags, so a changed source
+builds anew and a stale library is never loaded. It is built with the C++ compiler (``$CXX``,
+else ``g++``) the first time it is needed, or ahead of time with
+``python -m spyre_server.model.native_kernels`` (the image does this in a build stage, so the
+server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA.
 
-This module does not import torch, so the image's build stage can run it alone; load the
-library only after torch (``NativeLinear`` does): its OpenMP calls then bind to the libgomp torch
-loaded, and run on torch's thread pool.
+This module imports neither torch nor the package at import time, so the image's build stage
+runs it alone (with ``--into``). ``load_native_kernels`` imports torch before the library: its
+OpenMP calls then bind to the libgomp torch loaded, and run on torch's thread pool.
 """
 
 from __future__ import annotations
@@ -47,13 +49,28 @@ class NativeKernelError(RuntimeError):
 
 
 _OTHER_KERNEL = "model.linear_kernel: onednn and model.attention_kernel: flash"
+_WHO = "the native kernels (model.linear_kernel / model.attention_kernel native)"
 
 
 def default_kernel_dir() -> Path:
-    """``$XDG_CACHE_HOME`` (or ``~/.cache``) ``/spyre-server/kernels``, beside the model cache."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "spyre-server" / "kernels"
+    """``kernels`` beside the default model cache (``~/.cache/spyre-server/kernels``)."""
+    from spyre_server.model.store import default_cache_dir
+
+    return default_cache_dir().parent / "kernels"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {
+        flag
+        for line in text.splitlines()
+        if line.startswith("flags")
+        for flag in line.partition(":")[2].split()
+    }
 
 
 def library_name() -> str:
@@ -68,18 +85,9 @@ def unsupported_cpu_reason() -> str | None:
     """Why this CPU cannot run the kernels, or None when it can."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"they are x86-64 AVX2 code and this machine is {platform.machine()}"
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError as exc:
-        return f"cannot read /proc/cpuinfo to check for AVX2 and FMA ({exc})"
-    flags = next(
-        (
-            line.split(":", 1)[1].split()
-            for line in cpuinfo.splitlines()
-            if line.startswith("flags")
-        ),
-        [],
-    )
+    flags = cpu_flags()
+    if not flags:
+        return "the CPU's flags cannot be read from /proc/cpuinfo to check for AVX2 and FMA"
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
@@ -92,8 +100,7 @@ def build(directory: Path) -> Path:
     compiler = os.environ.get("CXX") or "g++"
     if shutil.which(compiler) is None:
         raise NativeKernelError(
-            f"model.linear_kernel 'native' compiles its kernels once with a C++ compiler, and "
-            f"{compiler!r} is not on PATH: install g++ (Debian: apt-get install g++), set CXX, "
+            f"{_WHO} are compiled once with a C++ compiler, and {compiler!r} is not on PATH: install g++ (Debian: apt-get install g++), set CXX, "
             f"build them ahead of time with `python -m spyre_server.model.native_kernels`, "
             f"or set {_OTHER_KERNEL}"
         )
@@ -146,9 +153,7 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     """Build (if needed) into ``directory`` and load the kernels; raises NativeKernelError where
     they cannot run."""
     if reason := unsupported_cpu_reason():
-        raise NativeKernelError(
-            f"model.linear_kernel 'native' cannot run here: {reason}; set {_OTHER_KERNEL}"
-        )
+        raise NativeKernelError(f"{_WHO} cannot run here: {reason}; set {_OTHER_KERNEL}")
     import torch  # noqa: F401  (first: the library's libgomp.so.1 must resolve to torch's)
 
     path = build(directory)
@@ -185,7 +190,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if reason := unsupported_cpu_reason():
-        print(f"native kernels not built: {reason} (model.linear_kernel auto uses onednn)")
+        print(f"native kernels not built: {reason} (the auto kernels are onednn and flash here)")
         return
     try:
         print(build(args.into or default_kernel_dir()))

@@ -10,12 +10,11 @@ sums run in another order).
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from spyre_server.model.native_kernels import NativeKernelError, NativeKernels, load_native_kernels
-from spyre_server.model.packed_linear import LinearKernelError, replace_linears
+from spyre_server.model.native_kernels import NativeKernels
+from spyre_server.model.packed_linear import replace_linears
 
 _PANEL_ALIGNMENT = 32
 """Bytes: the kernel reads the panels with aligned AVX loads."""
@@ -64,12 +63,7 @@ class NativeLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, native"
 
 
-def use_native_linears(model: torch.nn.Module, kernel_dir: Path) -> int:
-    """Replace every plain linear layer of ``model`` (in place) by a NativeLinear, with the
-    kernels built in (or loaded from) ``kernel_dir``; returns how many. Raises LinearKernelError
-    where the kernels cannot be built or run here."""
-    try:
-        kernels = load_native_kernels(kernel_dir)
-    except NativeKernelError as exc:
-        raise LinearKernelError(str(exc)) from exc
+def use_native_linears(model: torch.nn.Module, kernels: NativeKernels) -> int:
+    """Replace every plain linear layer of ``model`` (in place) by a NativeLinear; returns how
+    many."""
     return replace_linears(model, lambda linear: NativeLinear(linear, kernels))

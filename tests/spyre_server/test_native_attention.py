@@ -199,7 +199,9 @@ def test_the_runner_gets_our_kernel_or_none() -> None:
     assert cpu_shared_attention("flash", dtype=torch.float32, head_dim=64) is None
 
 
-def test_engines_with_either_attention_kernel_on_smollm2_head_dims(make_engine: object) -> None:
-    """The micro model (head_dim 48) cannot run native: asking for it fails at start."""
+def test_native_attention_on_a_head_dim_it_cannot_compute_fails_at_start(
+    make_engine: object,
+) -> None:
+    """The micro model has head_dim 48."""
     with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*head_dim 48"):
         make_engine(model__attention_kernel="native")  # type: ignore[operator]
