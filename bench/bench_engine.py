@@ -40,9 +40,9 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.model.cpu_backend import CpuModelRunner
-from spyre_server.model.cpu_model import cpu_inference_copy, cpu_shared_attention
+from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_inference_copy
 from spyre_server.model.loading import cpu_flags, load_model
-from spyre_server.model.paged_attention import SharedAttention
+from spyre_server.model.paged_attention import PagedAttentionKernel
 from spyre_server.model.runner import kv_cache_shape
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
@@ -87,7 +87,7 @@ class Bench:
         model: torch.nn.Module,
         dtype: torch.dtype,
         vocab: int,
-        shared_attention: SharedAttention | None = None,
+        attention: PagedAttentionKernel | None = None,
     ) -> None:
         self.model = model
         self.dtype = dtype
@@ -98,7 +98,7 @@ class Bench:
             num_blocks=self.num_blocks,
             block_size=BS,
             dtype=dtype,
-            shared_attention=shared_attention,
+            attention=attention,
         )
 
     def scheduler(
@@ -344,10 +344,10 @@ def main() -> None:
     for dtype, label in dtypes:
         loaded = load_model(path, dtype)
         model = cpu_inference_copy(loaded.model, linear_kernel=args.linear_kernel, dtype=dtype)
-        shared_attention = cpu_shared_attention(
+        attention = cpu_attention_kernel(
             args.attention_kernel, dtype=dtype, head_dim=kv_cache_shape(model).head_dim
         )
-        bench = Bench(model, dtype, loaded.vocab_size, shared_attention)
+        bench = Bench(model, dtype, loaded.vocab_size, attention)
         for section in args.sections.split(","):
             results += SECTIONS[section](bench, args.reps, label)
         if args.profile:

@@ -19,7 +19,6 @@ projections under each linear kernel (native, onednn) at 1, 8, 64 and 256 rows, 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -27,9 +26,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from spyre_server.model.native_attention import NativeSharedAttention
+from spyre_server.model import paged_attention
+from spyre_server.model.native_attention import NativePagedAttention
 from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
 from spyre_server.model.native_linear import NativeLinear
+from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
 
 LAYERS = 30
 HIDDEN, MLP, VOCAB = 576, 1536, 49152
@@ -127,59 +128,50 @@ def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def attention(
-    rows: int, keys: list[torch.Tensor], values: list[torch.Tensor], shared_kernel: str
+    rows: int, keys: list[torch.Tensor], values: list[torch.Tensor], kernel: str
 ) -> list[Kernel]:
-    """The paged-attention op's two attention calls per layer: every row against the shared
-    prefix (read in place; ``shared_kernel`` native or flash), and the own blocks (a mask,
-    flash), for ``rows`` query rows per KV head."""
-    scale = 1 / math.sqrt(HEAD_DIM)
-    shared = PREFIX_BLOCKS * BLOCK
-    q_shared = torch.randn(1, KV_HEADS, rows * GROUP, HEAD_DIM)
-    native = NativeSharedAttention(load_native_kernels(default_kernel_dir()))
+    """The paged-attention op's compute per layer for ``rows`` query rows (a decode step: 8
+    sequences with 2 own blocks each; a warm prefill: ``rows`` queries in one own block), over
+    a 1,536-token shared prefix in scattered blocks, as a server's recycled blocks are:
+    ``kernel`` native (one call, the cache read in place) or flash (SDPA on gathered copies,
+    merged in aten ops)."""
+    shared = list(range(2, 2 * PREFIX_BLOCKS + 2, 2))  # every other block: never a span
+    if rows == DECODE_ROWS:
+        tables = [[*shared, 100 + 2 * r, 101 + 2 * r] for r in range(rows)]
+        positions = [[len(table) * BLOCK - 10] for table in tables]
+    else:
+        tables = [[*shared, 100]]
+        positions = [list(range(PREFIX_BLOCKS * BLOCK, PREFIX_BLOCKS * BLOCK + rows))]
+    plan = plan_attention(tables, positions, BLOCK)
+    query = torch.randn(len(tables), len(positions[0]), KV_HEADS * GROUP, HEAD_DIM)
+    op_kwargs = paged_attention_kwargs(
+        torch.zeros(1, dtype=torch.long),
+        plan,
+        NativePagedAttention(load_native_kernels(default_kernel_dir()))
+        if kernel == "native"
+        else None,
+    )
+    compute = paged_attention._compute
 
-    def shared_part(k: torch.Tensor, v: torch.Tensor) -> object:
-        kk = k[1 : 1 + PREFIX_BLOCKS].view(shared, KV_HEADS, HEAD_DIM)
-        vv = v[1 : 1 + PREFIX_BLOCKS].view(shared, KV_HEADS, HEAD_DIM)
-        if shared_kernel == "native":
-            return native(q_shared, kk, vv, scale)
-        return _flash(
-            q_shared, kk.unsqueeze(0).transpose(1, 2), vv.unsqueeze(0).transpose(1, 2), scale=scale
-        )
+    def per_layer() -> float:
+        def run() -> None:
+            for i in range(LAYERS):
+                compute(
+                    query, keys[i], values[i], KV_HEADS * GROUP, KV_HEADS, 0.0, None, **op_kwargs
+                )
 
-    if rows == DECODE_ROWS:  # decode: 8 rows, one query each, 2 own blocks each
-        batch, own_len, queries = DECODE_ROWS, 2 * BLOCK, 1
-    else:  # prefill: one row of `rows` queries, one own block
-        batch, own_len, queries = 1, BLOCK, rows
-    q_own = torch.randn(batch, KV_HEADS, queries * GROUP, HEAD_DIM)
-    bias = torch.zeros(batch, 1, queries * GROUP, own_len)
-    bias[..., own_len // 2 + 1 :] = -math.inf
-    own_blocks = batch * own_len // BLOCK
+        return seconds(run) / LAYERS
 
-    def own_part(k: torch.Tensor, v: torch.Tensor) -> object:
-        kk = k[100 : 100 + own_blocks].view(batch, own_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        vv = v[100 : 100 + own_blocks].view(batch, own_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        return _flash(q_own, kk, vv, attn_mask=bias, scale=scale)
-
-    def per_layer(fn: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
-        return seconds(lambda: [fn(keys[i], values[i]) for i in range(LAYERS)]) / LAYERS
-
-    kv_bytes_per_key = 2 * KV_HEADS * HEAD_DIM * 4
-    flops_per_score = 4 * HEAD_DIM * KV_HEADS  # q.k and p.v, every KV head
+    num_keys = sum(len(t) for t in tables) * BLOCK - (len(tables) - 1) * len(shared) * BLOCK
+    scores = sum(len(p) * (p[-1] + 1) for p in positions)  # (an upper bound for the causal part)
     return [
         (
-            f"attention, shared ({shared_kernel})",
-            per_layer(shared_part),
-            shared * kv_bytes_per_key,
-            rows * GROUP * shared * flops_per_score,
+            f"attention ({kernel})",
+            per_layer(),
+            num_keys * 2 * KV_HEADS * HEAD_DIM * 4,
+            scores * GROUP * KV_HEADS * 4 * HEAD_DIM,
             LAYERS,
-        ),
-        (
-            "attention, own blocks",
-            per_layer(own_part),
-            batch * own_len * kv_bytes_per_key,
-            batch * queries * GROUP * own_len * flops_per_score,
-            LAYERS,
-        ),
+        )
     ]
 
 
@@ -226,8 +218,8 @@ def main() -> None:
         "--attention-kernel",
         choices=("native", "flash"),
         default="native",
-        help="the shared prefix's attention kernel in the step tables (default: native; its "
-        "flash time is listed after the total)",
+        help="the attention kernel in the step tables (default: native; the other one's time "
+        "is listed after the total)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -248,7 +240,7 @@ def main() -> None:
                 step_kernels,
                 read,
                 gemm,
-                others=attention(rows, keys, values, other)[:1],
+                others=attention(rows, keys, values, other),
             )
         compare_linear_kernels((1, 8, 64, 256))
     print("\nF.linear (MKL) for comparison, 8 rows, gate+up over 30 layers:")

@@ -10,7 +10,7 @@ from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
 from spyre_server.model.compile import prepare_backend, sendnn_environment
 from spyre_server.model.cpu_backend import CpuModelRunner
-from spyre_server.model.cpu_model import cpu_inference_copy, cpu_shared_attention
+from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_inference_copy
 from spyre_server.model.loading import LoadedModel, num_kv_blocks, served_model_name
 from spyre_server.model.runner import ModelRunner, kv_cache_shape
 from spyre_server.model.spyre_backend import SpyreModelRunner
@@ -87,7 +87,7 @@ def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) 
             dtype=loaded.dtype,
             kernel_dir=config.model.kernel_dir,
         )
-        shared_attention = cpu_shared_attention(
+        attention = cpu_attention_kernel(
             config.model.attention_kernel,
             dtype=loaded.dtype,
             head_dim=kv_cache_shape(model).head_dim,
@@ -98,7 +98,7 @@ def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) 
             num_blocks=sched.num_blocks,
             block_size=sched.block_size,
             dtype=loaded.dtype,
-            shared_attention=shared_attention,
+            attention=attention,
         )
     check_backend(config)
     if config.model.compile_backend != "sendnn":

@@ -11,7 +11,7 @@ import torch
 
 from scheduler import DecodeBatch, PrefillChunk, PrefillCompute
 from spyre_server.model.paged_attention import (
-    SharedAttention,
+    PagedAttentionKernel,
     paged_attention_kwargs,
     plan_attention,
 )
@@ -29,12 +29,12 @@ class CpuModelRunner(ModelRunner):
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
-        shared_attention: SharedAttention | None = None,
+        attention: PagedAttentionKernel | None = None,
     ) -> None:
-        """``shared_attention``: the kernel for attention over shared blocks (None: SDPA's
-        flash kernel)."""
+        """``attention``: the kernel for the paged-attention op's compute (None: SDPA's flash
+        kernel on gathered blocks)."""
         super().__init__(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
-        self.shared_attention = shared_attention
+        self.attention = attention
 
     def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
         bs = self.block_size
@@ -57,7 +57,7 @@ class CpuModelRunner(ModelRunner):
         input_ids = torch.tensor([step.token_ids[first:]])
         plan = plan_attention([step.block_table], [positions], self.block_size)
         kwargs = paged_attention_kwargs(
-            torch.tensor(step.slot_mapping[first:]), plan, self.shared_attention
+            torch.tensor(step.slot_mapping[first:]), plan, self.attention
         )
         position_ids = torch.tensor([positions])
         return self._forward(input_ids, position_ids, kwargs, last_n_tokens=last_n_tokens)
@@ -68,7 +68,7 @@ class CpuModelRunner(ModelRunner):
             [e.block_table for e in entries], [[e.position] for e in entries], self.block_size
         )
         kwargs = paged_attention_kwargs(
-            torch.tensor([e.slot for e in entries]), plan, self.shared_attention
+            torch.tensor([e.slot for e in entries]), plan, self.attention
         )
         position_ids = torch.tensor([[e.position] for e in entries])
         input_ids = torch.tensor([[e.token_id] for e in entries])

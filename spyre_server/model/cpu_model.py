@@ -9,10 +9,11 @@ buffer with it (only the module objects are new), then, on the copy only:
 - its linear layers hold their weights packed for our own float32 kernel
   (``linear_kernel="native"``, ``native_linear.py``) or for oneDNN (``"onednn"``,
   ``packed_linear.py``), or stay ``F.linear`` (``"aten"``); the packed kernels differ from
-  ``F.linear`` by float32 rounding. ``"auto"`` is ``native`` for float32 on CPUs with AVX2 and
+  ``F.linear`` by float32 rounding. With ``native``, its RMS norms, GLU activations and rotary
+  embeddings run on our own kernels too (``native_elementwise.py``, float32 rounding again). ``"auto"`` is ``native`` for float32 on CPUs with AVX2 and
   FMA, ``onednn`` otherwise (``resolve_linear_kernel``).
 
-``cpu_shared_attention`` gives the runner its kernel for attention over shared blocks
+``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
 (``model.attention_kernel``).
 
 The loaded model is left as it was (tests share one model between engines and oracles). Drop it
@@ -31,7 +32,8 @@ import torch
 
 from spyre_server.model.fast_norm import use_fast_rms_norm
 from spyre_server.model.fast_rope import use_fast_rope
-from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativeSharedAttention
+from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativePagedAttention
+from spyre_server.model.native_elementwise import use_native_elementwise
 from spyre_server.model.native_kernels import (
     NativeKernelError,
     NativeKernels,
@@ -84,20 +86,20 @@ def resolve_attention_kernel(
     return requested
 
 
-def cpu_shared_attention(
+def cpu_attention_kernel(
     attention_kernel: AttentionKernel,
     *,
     dtype: torch.dtype,
     head_dim: int,
     kernel_dir: Path | None = None,
-) -> NativeSharedAttention | None:
-    """The cpu runner's kernel for attention over shared blocks: ours, or None for SDPA's
-    flash kernel; raises LinearKernelError where ours cannot run here."""
+) -> NativePagedAttention | None:
+    """The cpu runner's kernel for the paged-attention op: ours, or None for SDPA's flash
+    kernel; raises LinearKernelError where ours cannot run here."""
     if resolve_attention_kernel(attention_kernel, dtype, head_dim) == "flash":
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
     logger.info("cpu kernels: attention_kernel native (%s)", attention_kernel)
-    return NativeSharedAttention(_native_kernels(kernel_dir))
+    return NativePagedAttention(_native_kernels(kernel_dir))
 
 
 def _native_kernels(kernel_dir: Path | None) -> NativeKernels:
@@ -127,7 +129,9 @@ def cpu_inference_copy(
     num_rope = use_fast_rope(clone)
     num_norms = use_fast_rms_norm(clone)
     if kernel == "native":
-        num_replaced = use_native_linears(clone, _native_kernels(kernel_dir))
+        kernels = _native_kernels(kernel_dir)
+        num_replaced = use_native_linears(clone, kernels)
+        use_native_elementwise(clone, kernels)
     elif kernel == "onednn":
         num_replaced = pack_linears(clone)
     else:

@@ -1,10 +1,12 @@
-"""Attention over the shared blocks on our own kernel (``kernels/attention_f32.cpp``).
+"""The paged-attention op's compute on our own kernel (``kernels/attention_f32.cpp``).
 
-The paged-attention op reads a row group's shared blocks (keys wholly before every query, no
-mask) in one call per layer; ``NativeSharedAttention`` computes it in place of SDPA's flash
-kernel, with the same contract: ``(out, lse)``. It splits the keys into one range per thread
-over every KV head, where flash splits by heads and query blocks (3 tasks for 2 threads at a
-SmolLM2 decode step). float32, head_dim 64 or 128, x86-64 with AVX2 and FMA.
+``NativePagedAttention`` computes each row group of the step's plan in one call per layer: its
+shared blocks (read once for every row, the keys split into one range per thread over every KV
+head, where flash splits by heads and query blocks: 3 tasks for 2 threads at a SmolLM2 decode
+step) and each row's own blocks (causal), read in place from the cache through the block ids,
+merged through their log-sum-exps and written in fms's layout. The flash path gathers blocks
+that are not consecutive into copies and merges in aten ops. float32, head_dim 64 or 128,
+x86-64 with AVX2 and FMA.
 """
 
 from __future__ import annotations
@@ -12,56 +14,97 @@ from __future__ import annotations
 import torch
 
 from spyre_server.model.native_kernels import NativeKernels
+from spyre_server.model.paged_attention import AttentionPlan, RowGroup
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
-class NativeSharedAttention:
+class NativePagedAttention:
     def __init__(self, kernels: NativeKernels) -> None:
         self._kernels = kernels
+        self._scratch = torch.empty(0)
+        """Grown to the largest call so far and kept: 30 calls per step."""
 
     def __call__(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` ``[1, kvheads, rows, head_dim]``; ``keys``/``values`` ``[num_keys, kvheads,
-        head_dim]`` with contiguous last two dimensions (the cache's blocks, in place) ->
-        ``(out [1, kvheads, rows, head_dim], lse [1, kvheads, rows])`` float32."""
-        _, kvheads, rows, head_dim = q.shape
-        num_keys = keys.shape[0]
-        if q.dtype != torch.float32 or head_dim not in SUPPORTED_HEAD_DIMS:
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: AttentionPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """``query`` ``[batch, num_queries, nheads, head_dim]``; the caches ``[num_blocks,
+        block_size, kvheads, head_dim]`` -> the attention output, ``query``'s shape, float32."""
+        head_dim = query.shape[-1]
+        if query.dtype != torch.float32 or head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
-                f"NativeSharedAttention takes float32 with head_dim 64 or 128, not "
-                f"{q.dtype} with {head_dim}"
+                f"NativePagedAttention takes float32 with head_dim 64 or 128, not "
+                f"{query.dtype} with {head_dim}"
             )
-        for kv in (keys, values):
-            if kv.shape != (num_keys, kvheads, head_dim) or kv.stride()[1:] != (head_dim, 1):
+        for cache in (key_cache, value_cache):
+            if cache.dtype != torch.float32 or not cache.is_contiguous():
+                raise ValueError("the KV caches must be contiguous float32 block tensors")
+            if cache.shape[-1] != head_dim or cache.shape != key_cache.shape:
                 raise ValueError(
-                    f"keys and values must be [{num_keys}, {kvheads}, {head_dim}] "
-                    "with contiguous heads"
+                    f"cache shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)} do "
+                    f"not fit queries with head_dim {head_dim}"
                 )
-        if keys.stride(0) != values.stride(0):
-            raise ValueError("keys and values must have the same token stride")
-        q = q.contiguous()
-        splits = max(1, torch.get_num_threads())
-        scratch = torch.empty(
-            self._kernels.attention_scratch_numel(head_dim, kvheads, rows, splits)
-        )
-        out = torch.empty(1, kvheads, rows, head_dim)
-        lse = torch.empty(1, kvheads, rows)
-        status = self._kernels.attention(
+        query = query.contiguous()
+        if len(plan.groups) == 1 and plan.groups[0].rows is None:
+            return self._group(query, key_cache, value_cache, plan.groups[0], scale)
+        out = torch.empty_like(query)
+        for group in plan.groups:
+            assert group.rows is not None
+            attended = self._group(
+                query.index_select(0, group.rows), key_cache, value_cache, group, scale
+            )
+            out.index_copy_(0, group.rows, attended)
+        return out
+
+    def _group(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        group: RowGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        batch, num_queries, nheads, head_dim = query.shape
+        _, block_size, kvheads, _ = key_cache.shape
+        if group.max_block_id >= key_cache.shape[0]:
+            raise ValueError(
+                f"the plan reads block {group.max_block_id} of a cache of {key_cache.shape[0]}"
+            )
+        if nheads % kvheads or group.positions.shape != (batch, num_queries):
+            raise ValueError(
+                f"{nheads} query heads over {kvheads} KV heads with a plan for "
+                f"{tuple(group.positions.shape)} queries cannot attend {tuple(query.shape)}"
+            )
+        threads = max(1, torch.get_num_threads())
+        rows = batch * num_queries * (nheads // kvheads)
+        numel = self._kernels.paged_attention_scratch_numel(head_dim, kvheads, rows, threads)
+        if self._scratch.numel() < numel:
+            self._scratch = torch.empty(numel)
+        out = torch.empty_like(query)
+        status = self._kernels.paged_attention(
             head_dim,
-            q.data_ptr(),
-            keys.data_ptr(),
-            values.data_ptr(),
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_size,
             kvheads,
-            rows,
-            num_keys,
-            keys.stride(0),
+            nheads // kvheads,
+            batch,
+            num_queries,
+            group.shared_blocks.data_ptr(),
+            group.shared_blocks.numel(),
+            group.own_blocks.data_ptr(),
+            group.num_own_blocks,
+            group.positions.data_ptr(),
             scale,
-            splits,
-            scratch.data_ptr(),
+            threads,
+            self._scratch.data_ptr(),
             out.data_ptr(),
-            lse.data_ptr(),
         )
         assert status == 0, f"the attention kernel refused head_dim {head_dim}"
-        return out, lse
+        return out

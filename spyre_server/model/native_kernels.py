@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
-SOURCES = (KERNELS / "linear_f32.cpp", KERNELS / "attention_f32.cpp")
+SOURCES = (
+    KERNELS / "linear_f32.cpp",
+    KERNELS / "attention_f32.cpp",
+    KERNELS / "elementwise_f32.cpp",
+)
+HEADERS = (KERNELS / "avx2_math.h",)
+"""Included by the sources: hashed into the library's name with them."""
 FLAGS = (
     "-std=c++17",
     "-O3",
@@ -75,7 +81,7 @@ def cpu_flags() -> set[str]:
 
 def library_name() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     digest.update("\0".join(FLAGS).encode())
     return f"spyre_kernels-{digest.hexdigest()[:16]}.so"
@@ -141,11 +147,22 @@ class NativeKernels:
     panels."""
     linear: Callable[[int, int, int, int, int, int], None]
     """(x, panels, out, M, K, N): out [M, N] = x [M, K] @ weight.T, both contiguous."""
-    attention_scratch_numel: Callable[[int, int, int, int], int]
-    """(head_dim, H, R, splits) -> floats of scratch ``attention`` needs."""
-    attention: Callable[[int, int, int, int, int, int, int, int, float, int, int, int, int], int]
-    """(head_dim, q, k, v, H, R, L, ldk, scale, splits, scratch, out, lse) -> 0, or 1 for a
-    head_dim other than 64 and 128: see ``kernels/attention_f32.cpp``."""
+    paged_attention_scratch_numel: Callable[[int, int, int, int], int]
+    """(head_dim, H, rows, threads) -> floats of scratch ``paged_attention`` needs (-1 for a
+    head_dim other than 64 and 128)."""
+    paged_attention: Callable[..., int]
+    """(head_dim, q, k_cache, v_cache, block_size, H, G, n, nq, shared_blocks, num_shared,
+    own_blocks, num_own, positions, scale, threads, scratch, out) -> 0, or 1 for a head_dim
+    other than 64 and 128: see ``kernels/attention_f32.cpp``."""
+    rms_norm: Callable[[int, int, int, int, int, int, float], None]
+    """(x, ldx, weight, out, M, N, eps): see ``kernels/elementwise_f32.cpp``."""
+    silu_mul: Callable[[int, int, int, int], None]
+    """(gate_up, out, M, H): out [M, H] = silu(gate_up[:, :H]) * gate_up[:, H:]."""
+    rope: Callable[[int, int, int, int, int, int, int, int], None]
+    """(x, ldx, cos, signed_sin, out, T, heads, D): rotary embedding of T tokens."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> NativeKernels:
+        return self  # functions of the one loaded library (ctypes objects cannot be copied)
 
 
 @functools.cache
@@ -165,18 +182,28 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_linear_f32_pack.restype = None
     lib.spyre_linear_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_linear_f32.restype = None
-    lib.spyre_attention_f32_scratch_numel.argtypes = [i64, i64, i64, i64]
-    lib.spyre_attention_f32_scratch_numel.restype = i64
-    lib.spyre_attention_f32.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
-    lib.spyre_attention_f32.argtypes += [i64, ptr, ptr, ptr]
-    lib.spyre_attention_f32.restype = ctypes.c_int
+    lib.spyre_paged_attention_f32_scratch_numel.argtypes = [i64, i64, i64, i64]
+    lib.spyre_paged_attention_f32_scratch_numel.restype = i64
+    lib.spyre_paged_attention_f32.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.spyre_paged_attention_f32.argtypes += [ptr, i64, ptr, i64, ptr, ctypes.c_float, i64]
+    lib.spyre_paged_attention_f32.argtypes += [ptr, ptr]
+    lib.spyre_paged_attention_f32.restype = ctypes.c_int
+    lib.spyre_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.spyre_rms_norm_f32.restype = None
+    lib.spyre_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
+    lib.spyre_silu_mul_f32.restype = None
+    lib.spyre_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.spyre_rope_f32.restype = None
     return NativeKernels(
         path=path,
         packed_numel=lib.spyre_linear_f32_packed_numel,
         pack=lib.spyre_linear_f32_pack,
         linear=lib.spyre_linear_f32,
-        attention_scratch_numel=lib.spyre_attention_f32_scratch_numel,
-        attention=lib.spyre_attention_f32,
+        paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
+        paged_attention=lib.spyre_paged_attention_f32,
+        rms_norm=lib.spyre_rms_norm_f32,
+        silu_mul=lib.spyre_silu_mul_f32,
+        rope=lib.spyre_rope_f32,
     )
 
 

@@ -45,6 +45,8 @@ class RowGroup:
     ``own_blocks``: ``[n * num_own_blocks]`` the rest of each row's table, row-major, padded with
     block 0; ``own_bias``: ``[n, num_queries, num_own_blocks * block_size]``, 0 where a query may
     attend the own key and -inf elsewhere (later positions, padding).
+    ``positions``: ``[n, num_queries]`` the queries' positions; ``max_block_id``: the largest
+    block id the group reads (0 for none), for a kernel to check against the cache.
     ``shared_span`` / ``own_span``: ``(first, end)`` when those block ids are the consecutive
     ``first..end-1`` (a request's blocks mostly are): the keys are then read in place through a
     view of the cache instead of being gathered into a copy.
@@ -55,6 +57,8 @@ class RowGroup:
     own_blocks: torch.Tensor
     own_bias: torch.Tensor
     num_own_blocks: int
+    positions: torch.Tensor
+    max_block_id: int
     shared_span: tuple[int, int] | None = None
     own_span: tuple[int, int] | None = None
     _grouped_bias: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
@@ -133,7 +137,8 @@ def _plan_group(
     key_positions = torch.arange(
         num_shared * block_size, (num_shared + num_own_blocks) * block_size
     )
-    visible = key_positions.view(1, 1, -1) <= torch.tensor(positions).unsqueeze(-1)
+    query_positions = torch.tensor(positions, dtype=torch.long)
+    visible = key_positions.view(1, 1, -1) <= query_positions.unsqueeze(-1)
     bias = torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)
     shared = reference[:num_shared]
     return RowGroup(
@@ -142,6 +147,8 @@ def _plan_group(
         own_blocks=torch.tensor(own, dtype=torch.long),
         own_bias=bias,
         num_own_blocks=num_own_blocks,
+        positions=query_positions,
+        max_block_id=max([0, *shared, *own]),
         shared_span=_consecutive(shared),
         own_span=_consecutive(own),
     )
@@ -157,26 +164,27 @@ def _consecutive(block_ids: Sequence[int]) -> tuple[int, int] | None:
     return first, first + len(block_ids)
 
 
-SharedAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+PagedAttentionKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, float], torch.Tensor
 ]
-"""``(q [1, kvheads, rows, head_dim], keys [num_keys, kvheads, head_dim], values, scale) ->
-(out, lse)``: attention over unmasked keys, as ``NativeSharedAttention`` computes it."""
+"""``(query [batch, num_queries, nheads, head_dim], key_cache, value_cache, plan, scale) ->
+the attention output in the query's shape``: the whole compute op on one kernel, as
+``NativePagedAttention`` computes it."""
 
 
 def paged_attention_kwargs(
-    slot_mapping: torch.Tensor, plan: AttentionPlan, shared_attention: SharedAttention | None = None
+    slot_mapping: torch.Tensor, plan: AttentionPlan, kernel: PagedAttentionKernel | None = None
 ) -> dict[str, Any]:
     """Keyword arguments for an fms forward with our op, built once per step (not per layer).
 
     ``slot_mapping``: ``[batch * num_queries]``, where each query position's K/V is stored.
-    ``shared_attention``: computes the shared blocks' part (None: SDPA's flash kernel).
+    ``kernel``: computes the attention (None: SDPA's flash kernel, on gathered blocks).
     """
     return {
         "attn_name": ATTN_NAME,
         "slot_mapping": slot_mapping,
         "plan": plan,
-        "shared_attention": shared_attention,
+        "attention_kernel": kernel,
     }
 
 
@@ -212,25 +220,24 @@ def _compute(
 ) -> torch.Tensor:
     """``query``: ``[batch, num_queries, nheads, head_dim]`` -> the same shape."""
     plan: AttentionPlan = kwargs["plan"]
-    shared_attention: SharedAttention | None = kwargs.get("shared_attention")
     batch, num_queries, _, head_dim = query.shape
+    kernel: PagedAttentionKernel | None = kwargs.get("attention_kernel")
+    if kernel is not None:
+        scale = scale_factor if scale_factor is not None else 1 / math.sqrt(head_dim)
+        return kernel(query, key_cache, value_cache, plan, scale)
     group = nheads // kvheads
     # [batch, kvheads, num_queries * group, head_dim]: the query heads of one KV head as rows.
     q = query.view(batch, num_queries, kvheads, group, head_dim).transpose(1, 2)
     q = q.reshape(batch, kvheads, num_queries * group, head_dim)
     if len(plan.groups) == 1 and plan.groups[0].rows is None:
-        out = _attend(
-            q, key_cache, value_cache, plan.groups[0], group, scale_factor, shared_attention
-        )
+        out = _attend(q, key_cache, value_cache, plan.groups[0], group, scale_factor)
     else:
         out = torch.empty_like(q)
         for row_group in plan.groups:
             rows = row_group.rows
             assert rows is not None
             q_rows = q.index_select(0, rows)
-            attended = _attend(
-                q_rows, key_cache, value_cache, row_group, group, scale_factor, shared_attention
-            )
+            attended = _attend(q_rows, key_cache, value_cache, row_group, group, scale_factor)
             out.index_copy_(0, rows, attended)
     # [batch, kvheads, num_queries, group, head_dim] -> [batch, num_queries, nheads, head_dim]
     out = out.view(batch, kvheads, num_queries, group, head_dim).transpose(1, 2)
@@ -244,7 +251,6 @@ def _attend(
     rows: RowGroup,
     group: int,
     scale: float | None,
-    shared_attention: SharedAttention | None,
 ) -> torch.Tensor:
     """Attention of one row group: ``q`` ``[n, kvheads, num_rows, head_dim]`` -> the same."""
     batch, kvheads, num_rows, head_dim = q.shape
@@ -271,20 +277,12 @@ def _attend(
     shared_keys = _blocks(key_cache, rows.shared_blocks, rows.shared_span)
     shared_values = _blocks(value_cache, rows.shared_blocks, rows.shared_span)
     shared_q = q.transpose(0, 1).reshape(1, kvheads, batch * num_rows, head_dim)
-    if shared_attention is not None:
-        shared_out, shared_lse = shared_attention(
-            shared_q,
-            shared_keys.view(shared_len, kvheads, head_dim),
-            shared_values.view(shared_len, kvheads, head_dim),
-            scale if scale is not None else 1 / math.sqrt(head_dim),
-        )
-    else:
-        shared_out, shared_lse = _flash_attention(
-            shared_q,
-            shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
-            shared_values.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
-            scale=scale,
-        )
+    shared_out, shared_lse = _flash_attention(
+        shared_q,
+        shared_keys.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+        shared_values.view(1, shared_len, kvheads, head_dim).transpose(1, 2),
+        scale=scale,
+    )
     shared_out = shared_out.view(kvheads, batch, num_rows, head_dim).transpose(0, 1)
     shared_lse = shared_lse.view(kvheads, batch, num_rows).transpose(0, 1)
     own_share = torch.sigmoid(lse - shared_lse).unsqueeze(-1)

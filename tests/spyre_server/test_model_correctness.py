@@ -31,7 +31,7 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.model.cpu_backend import CpuModelRunner
-from spyre_server.model.paged_attention import SharedAttention
+from spyre_server.model.paged_attention import PagedAttentionKernel
 from spyre_server.model.runner import ModelRunner
 
 BS = 64
@@ -111,7 +111,7 @@ class Harness:
         max_model_len: int = 1024,
         enable_prefix_caching: bool = True,
         check: StepCheck | None = None,
-        shared_attention: SharedAttention | None = None,
+        attention: PagedAttentionKernel | None = None,
     ) -> None:
         self.sched = Scheduler(
             SchedulerConfig(
@@ -128,7 +128,7 @@ class Harness:
             num_blocks=num_blocks,
             block_size=BS,
             dtype=torch.float32,
-            shared_attention=shared_attention,
+            attention=attention,
         )
         self.check = check
         self.traces: dict[str, Trace] = {}

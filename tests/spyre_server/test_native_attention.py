@@ -1,25 +1,26 @@
-"""Our attention kernel over shared blocks (``model.attention_kernel: native``).
+"""Our paged-attention kernel (``model.attention_kernel: native``).
 
-Oracles: softmax attention in float64 (the kernel alone and the paged-attention op), and a
-plain full forward of fms (decode steps of a model run through it). Tolerances: float32
-attention over at most a few hundred keys agrees with float64 to ~1e-6; 2e-5 leaves room for
-the polynomial exp (relative error ~1e-7) summed over the keys.
+Oracles: softmax attention in float64 over each query's causal context (the kernel alone and the
+paged-attention op), and a plain full forward of fms (the steps of a model run through it).
+Tolerances: float32 attention over at most a few hundred keys agrees with float64 to ~1e-6;
+2e-5 leaves room for the polynomial exp (relative error ~1e-7) summed over the keys.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 from fms.models import get_model
 
 from spyre_server.model import cpu_model, native_kernels, paged_attention
-from spyre_server.model.cpu_model import cpu_shared_attention, resolve_attention_kernel
-from spyre_server.model.native_attention import NativeSharedAttention
+from spyre_server.model.cpu_model import cpu_attention_kernel, resolve_attention_kernel
+from spyre_server.model.native_attention import NativePagedAttention
 from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
 from spyre_server.model.packed_linear import LinearKernelError
-from spyre_server.model.paged_attention import plan_attention
+from spyre_server.model.paged_attention import RowGroup, plan_attention
 from tests.conftest import needs_native_kernels
 from tests.spyre_server.test_model_correctness import (
     BS,
@@ -39,139 +40,192 @@ def kernels() -> native_kernels.NativeKernels:
     return load_native_kernels(default_kernel_dir())
 
 
-def float64_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [1, H, R, D], keys/values [L, H, D] -> (out [1, H, R, D], lse [1, H, R]) in float64."""
-    scores = q.double()[0] @ keys.double().permute(1, 2, 0) / math.sqrt(q.shape[-1])
-    out = torch.softmax(scores, -1) @ values.double().transpose(0, 1)
-    return out.unsqueeze(0), torch.logsumexp(scores, -1).unsqueeze(0)
+def run_kernel(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: RowGroup,
+    threads: int,
+) -> torch.Tensor:
+    """The kernel called directly, with ``threads`` key ranges and tasks' scratch areas."""
+    lib = kernels()
+    batch, num_queries, nheads, head_dim = query.shape
+    _, block_size, kvheads, _ = key_cache.shape
+    rows = batch * num_queries * (nheads // kvheads)
+    scratch = torch.full(
+        (lib.paged_attention_scratch_numel(head_dim, kvheads, rows, threads),), math.nan
+    )
+    out = torch.full_like(query, math.nan)
+    status = lib.paged_attention(
+        head_dim, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_size,
+        kvheads, nheads // kvheads, batch, num_queries, group.shared_blocks.data_ptr(),
+        group.shared_blocks.numel(), group.own_blocks.data_ptr(), group.num_own_blocks,
+        group.positions.data_ptr(), 1 / math.sqrt(head_dim), threads, scratch.data_ptr(),
+        out.data_ptr(),
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+def scattered_tables(num_blocks: int, shared: int, own: list[int], seed: int) -> list[list[int]]:
+    """Block tables with ``shared`` common blocks then each row's ``own[r]`` blocks, every id
+    drawn at random from 1..num_blocks-1 (so hardly ever consecutive)."""
+    ids = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    assert shared + sum(own) <= num_blocks - 1
+    common = ids[:shared].tolist()
+    tables, used = [], shared
+    for n in own:
+        tables.append(common + ids[used : used + n].tolist())
+        used += n
+    return tables
+
+
+CASES = [
+    # (block_size, shared blocks, own blocks per row, queries per row, first query's offset
+    #  into the own blocks): decode rows, prefill chunks, tails of every kind.
+    (64, 3, [1, 2, 3, 1, 2, 1, 3, 2], 1, None),  # decode, 8 rows, ragged own lengths
+    (64, 0, [1, 3], 1, None),  # decode over nothing shared
+    (16, 5, [4], 50, 3),  # prefill: 48-key tiles straddle 16-token blocks
+    (16, 0, [13], 193, 0),  # prefill from position 0, 193 queries: row-block tails
+    (64, 2, [2], 64, 64),  # a warm prefill: one block of own queries after the shared ones
+    (64, 1, [4], 256, 0),  # a full 256-token chunk after one shared block
+    (16, 7, [3, 2], 7, 9),  # two sequences of 7 queries each
+]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("kvheads", [1, 3])
-@pytest.mark.parametrize("rows", [1, 3, 5, 24, 193])
-@pytest.mark.parametrize("num_keys", [1, 7, 48, 50, 200])
+@pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
+@pytest.mark.parametrize(("block_size", "shared", "own", "num_queries", "offset"), CASES)
 def test_kernel_matches_float64_attention(
-    head_dim: int, kvheads: int, rows: int, num_keys: int
+    head_dim: int,
+    kvheads: int,
+    group: int,
+    block_size: int,
+    shared: int,
+    own: list[int],
+    num_queries: int,
+    offset: int | None,
 ) -> None:
-    """Every row block (4/3/2/1 rows), partial key tiles (48 keys) and 8-key transposes, key
-    ranges split 1, 2 and 5 ways (5 ranges of 200 keys leave some empty), and keys read through
-    the cache's stride (two rows of padding around them)."""
-    torch.manual_seed(rows * 7 + num_keys)
-    lib = kernels()
-    cache_k = torch.randn(num_keys + 4, kvheads, head_dim)
-    cache_v = torch.randn(num_keys + 4, kvheads, head_dim)
-    keys, values = cache_k[2 : 2 + num_keys], cache_v[2 : 2 + num_keys]
-    q = torch.randn(1, kvheads, rows, head_dim)
-    want_out, want_lse = float64_attention(q, keys, values)
-    for splits in (1, 2, 5):
-        scratch = torch.empty(lib.attention_scratch_numel(head_dim, kvheads, rows, splits))
-        out = torch.empty(1, kvheads, rows, head_dim)
-        lse = torch.empty(1, kvheads, rows)
-        status = lib.attention(
-            head_dim, q.data_ptr(), keys.data_ptr(), values.data_ptr(), kvheads, rows,
-            num_keys, keys.stride(0), 1 / math.sqrt(head_dim), splits, scratch.data_ptr(),
-            out.data_ptr(), lse.data_ptr(),
-        )  # fmt: skip
-        assert status == 0
-        assert max_abs(out, want_out) < TOL, splits
-        assert max_abs(lse, want_lse) < TOL, splits
+    """Against softmax attention in float64 over each query's whole causal context, with the
+    keys split over 1, 2 and 5 ranges (5 leave some empty), read in place through scattered
+    block ids."""
+    torch.manual_seed(head_dim + kvheads + num_queries)
+    tables = scattered_tables(64, shared, own, seed=num_queries)
+    positions = []
+    for table in tables:
+        if offset is None:  # decode: somewhere in the row's last block
+            last = len(table) * block_size - 1 - int(torch.randint(block_size, ()))
+            positions.append([last])
+        else:
+            first = shared * block_size + offset
+            positions.append(list(range(first, first + num_queries)))
+            assert positions[-1][-1] < len(table) * block_size
+    key_cache = torch.randn(64, block_size, kvheads, head_dim)
+    value_cache = torch.randn(64, block_size, kvheads, head_dim)
+    query = torch.randn(len(tables), len(positions[0]), kvheads * group, head_dim)
+    plan = plan_attention(tables, positions, block_size)
+    assert len(plan.groups) == 1
+    if len(tables) > 1:
+        assert plan.groups[0].shared_blocks.numel() == shared
+    want = naive_attention(query, key_cache, value_cache, tables, positions)
+    for threads in (1, 2, 5):
+        got = run_kernel(query, key_cache, value_cache, plan.groups[0], threads)
+        assert max_abs(got, want) < TOL, threads
 
 
 def test_the_kernel_refuses_other_head_dims() -> None:
     lib = kernels()
-    assert lib.attention_scratch_numel(48, 1, 1, 1) == -1
+    assert lib.paged_attention_scratch_numel(48, 1, 1, 1) == -1
     null = 0
-    assert lib.attention(48, null, null, null, 1, 1, 1, 48, 1.0, 1, null, null, null) == 1
+    args = (null, null, null, 16, 1, 1, 1, 1, null, 0, null, 1, null, 1.0, 1, null, null)
+    assert lib.paged_attention(48, *args) == 1
 
 
-def test_shared_attention_takes_the_cache_in_place_and_checks_its_input() -> None:
-    attend = NativeSharedAttention(kernels())
-    cache = torch.randn(10, BS, 3, 64)
-    keys = cache[2:5].view(3 * BS, 3, 64)  # blocks 2..4 in place
-    q = torch.randn(1, 3, 6, 64)
-    out, lse = attend(q, keys, keys, 0.125)
-    want_out, want_lse = float64_attention(q, keys, keys)
-    assert max_abs(out, want_out) < TOL and max_abs(lse, want_lse) < TOL
+def test_the_wrapper_checks_its_input() -> None:
+    attend = NativePagedAttention(kernels())
+    cache = torch.randn(6, BS, 2, 64)
+    plan = plan_attention([[1, 2, 3]], [[150]], BS)
+    query = torch.randn(1, 1, 4, 64)
+    want = naive_attention(query, cache, cache, [[1, 2, 3]], [[150]])
+    assert max_abs(attend(query, cache, cache, plan, 0.125), want) < TOL
     with pytest.raises(ValueError, match="float32 with head_dim 64 or 128"):
-        attend(q.double(), keys, keys, 0.125)
-    with pytest.raises(ValueError, match="contiguous heads"):
-        attend(q, keys.transpose(1, 2).contiguous().transpose(1, 2), keys, 0.125)
+        attend(query.double(), cache, cache, plan, 0.125)
+    with pytest.raises(ValueError, match="contiguous float32 block tensors"):
+        attend(query, cache.transpose(0, 1), cache, plan, 0.125)
+    with pytest.raises(ValueError, match="reads block 7 of a cache of 6"):
+        attend(query, cache, cache, plan_attention([[1, 7]], [[100]], BS), 0.125)
+    with pytest.raises(ValueError, match="cannot attend"):
+        attend(torch.randn(2, 1, 4, 64), cache, cache, plan, 0.125)
 
 
 @pytest.mark.parametrize(
     ("tables", "positions"),
     [
         ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[250], [200], [130]]),  # shared + own
-        (  # two families and a loner
+        (  # two families and a loner: three groups, gathered and scattered back
             [[1, 2, 3, 4], [5, 6, 7], [1, 2, 8], [9, 10], [5, 6, 11]],
             [[250], [190], [140], [100], [150]],
         ),
         ([[7, 8, 9]], [list(range(130, 160))]),  # prefill: 2 shared blocks, causal own block
-        ([[9, 3, 7, 4]], [list(range(200, 230))]),  # prefill over scattered blocks (gathered)
+        ([[9, 3, 7, 4]], [list(range(200, 230))]),  # prefill over scattered blocks
         ([[1, 2]], [[100]]),  # one row: its whole past is shared
+        ([[1, 2], [3, 4, 5], [6]], [[100], [150], [0]]),  # nothing shared
     ],
 )
 def test_the_op_with_our_kernel_equals_naive_attention(
     tables: list[list[int]], positions: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The paged-attention op's shared part through our kernel (the own part stays flash)."""
+    """The paged-attention op's whole compute on our kernel: one call per row group, and
+    SDPA's flash kernel never called."""
     torch.manual_seed(0)
     nheads, kvheads, head_dim = 6, 2, 64
     key_cache = torch.randn(12, BS, kvheads, head_dim)
     value_cache = torch.randn(12, BS, kvheads, head_dim)
     query = torch.randn(len(tables), len(positions[0]), nheads, head_dim)
-    native = NativeSharedAttention(kernels())
+    native = NativePagedAttention(kernels())
     calls = []
+    group_call = native._group
 
-    def counted(*args: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    def counted(*args: Any) -> torch.Tensor:
         calls.append(1)
-        return native(*args)  # type: ignore[arg-type]
+        return group_call(*args)
 
-    flash_calls = []
-    flash = paged_attention._flash_attention
-
-    def counted_flash(*args: object, **kwargs: object) -> object:
-        flash_calls.append(1)
-        return flash(*args, **kwargs)
-
-    monkeypatch.setattr(paged_attention, "_flash_attention", counted_flash)
+    monkeypatch.setattr(native, "_group", counted)
+    monkeypatch.setattr(paged_attention, "_flash_attention", None)  # a call would fail
     plan = plan_attention(tables, positions, BS)
     got = paged_attention._compute(
         query, key_cache, value_cache, nheads, kvheads, 0.0, None, plan=plan,
-        shared_attention=counted,
+        attention_kernel=native,
     )  # fmt: skip
     want = naive_attention(query, key_cache, value_cache, tables, positions)
     assert max_abs(got, want) < TOL
-    num_shared_groups = sum(g.shared_blocks.numel() > 0 for g in plan.groups)
-    assert len(calls) == num_shared_groups > 0
-    assert len(flash_calls) == len(plan.groups)  # the own parts only
+    assert len(calls) == len(plan.groups)
 
 
-def test_decode_with_our_kernel_equals_full_forwards(one_thread: None) -> None:
+def test_decode_and_prefill_with_our_kernel_equal_full_forwards(one_thread: None) -> None:
     """A model with head_dim 64 (the suite's tiny llama has 48): five requests in two families
     sharing 256-token prompts; every step's logits equal a full forward of the row's tokens."""
     torch.manual_seed(3)
     model = get_model("llama", "micro", data_type=torch.float32, nheads=4, kvheads=2, emb_dim=256)
     model.eval()
     prefixes = [rand_tokens(256, seed=700), rand_tokens(256, seed=701)]
-    native = NativeSharedAttention(kernels())
-    num_keys_read = []
+    native = NativePagedAttention(kernels())
+    num_shared_read = []
+    group_call = native._group
 
-    def counted(
-        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        num_keys_read.append(keys.shape[0])
-        return native(q, keys, values, scale)
+    def counted(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                group: RowGroup, scale: float) -> torch.Tensor:  # fmt: skip
+        num_shared_read.append(group.shared_blocks.numel())
+        return group_call(query, key_cache, value_cache, group, scale)
 
-    h = Harness(model, chunk_size=128, max_num_seqs=5, shared_attention=counted)
+    native._group = counted  # type: ignore[method-assign]
+    h = Harness(model, chunk_size=128, max_num_seqs=5, attention=native)
     for i, suffix_len in enumerate((1, 30, 64, 100, 150)):
         h.add(f"r{i}", prefixes[i % 2] + rand_tokens(suffix_len, seed=800 + i), 12)
     with torch.inference_mode():
         h.run()
         assert max(h.decode_batch_sizes()) == 5
-        assert max(num_keys_read) >= 256  # a family's prompt, read once per step
+        assert max(num_shared_read) * BS >= 256  # a family's prompt, read once per step
         for trace in h.traces.values():
             for i, row in enumerate(trace.logits):
                 want = full_forward_logits(model, trace.prompt + trace.tokens[:i])
@@ -193,10 +247,10 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_runner_gets_our_kernel_or_none() -> None:
-    native = cpu_shared_attention("auto", dtype=torch.float32, head_dim=64)
-    assert isinstance(native, NativeSharedAttention)
-    assert cpu_shared_attention("auto", dtype=torch.float32, head_dim=48) is None
-    assert cpu_shared_attention("flash", dtype=torch.float32, head_dim=64) is None
+    native = cpu_attention_kernel("auto", dtype=torch.float32, head_dim=64)
+    assert isinstance(native, NativePagedAttention)
+    assert cpu_attention_kernel("auto", dtype=torch.float32, head_dim=48) is None
+    assert cpu_attention_kernel("flash", dtype=torch.float32, head_dim=64) is None
 
 
 def test_native_attention_on_a_head_dim_it_cannot_compute_fails_at_start(

@@ -130,6 +130,12 @@ def test_build_caches_by_source_and_flags(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-DSPYRE_TEST_FLAG"))
     assert native_kernels.library_name() != first.name  # other flags: another library
+    monkeypatch.undo()
+    header = tmp_path / "edited" / native_kernels.HEADERS[0].name
+    header.parent.mkdir()
+    header.write_bytes(native_kernels.HEADERS[0].read_bytes() + b"// edited\n")
+    monkeypatch.setattr(native_kernels, "HEADERS", (header,))
+    assert native_kernels.library_name() != first.name  # an edited header: another library
 
 
 def test_the_default_kernel_dir_is_beside_the_model_cache(
@@ -157,7 +163,8 @@ def test_a_failed_compile_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-Werror=no-such-flag"))
     with pytest.raises(
         NativeKernelError,
-        match=r"compiling the native kernels \(linear_f32\.cpp, attention_f32\.cpp\).*failed.*onednn",
+        match=r"compiling the native kernels \(linear_f32\.cpp, attention_f32\.cpp, "
+        r"elementwise_f32\.cpp\).*failed.*onednn",
     ):
         build(tmp_path)
     assert not any(tmp_path.iterdir())

@@ -16,6 +16,7 @@ from spyre_server.model import packed_linear
 from spyre_server.model.cpu_model import cpu_inference_copy
 from spyre_server.model.fast_norm import FastRMSNorm
 from spyre_server.model.fast_rope import FastRotaryEmbedding
+from spyre_server.model.native_elementwise import NativeRMSNorm, NativeRotaryEmbedding
 from spyre_server.model.native_linear import NativeLinear
 from spyre_server.model.packed_linear import (
     LinearKernelError,
@@ -65,13 +66,17 @@ def test_the_cpu_copy_shares_every_tensor_and_leaves_the_model_alone(
     # The copy: every linear packed, rotary switched, every other tensor the original's object.
     assert not any(isinstance(m, torch.nn.Linear) for m in clone.modules())
     assert sum(type(m) is PACKED_TYPES[kernel] for m in clone.modules()) == len(linears)
-    assert all(
-        type(x.attn.position_encoder) is FastRotaryEmbedding for x in clone.base_model.layers
+    # With the native kernels, the element-wise ops are on native kernels too.
+    rope_type, norm_type = (
+        (NativeRotaryEmbedding, NativeRMSNorm)
+        if kernel == "native"
+        else (FastRotaryEmbedding, FastRMSNorm)
     )
+    assert all(type(x.attn.position_encoder) is rope_type for x in clone.base_model.layers)
     assert not any(
         type(x.attn.position_encoder) is FastRotaryEmbedding for x in model.base_model.layers
     )
-    assert all(type(x.ln) is FastRMSNorm for x in clone.base_model.layers)
+    assert all(type(x.ln) is norm_type for x in clone.base_model.layers)
     assert not any(isinstance(m, FastRMSNorm) for m in model.modules())
     unpacked = {
         n: p for n, p in params_before.items() if not any(n.startswith(f"{x}.") for x in linears)

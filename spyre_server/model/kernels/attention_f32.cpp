@@ -1,65 +1,42 @@
-// float32 attention of R query rows per KV head over L keys read in place from the KV cache, with
-// no mask (the paged-attention op's shared blocks: keys wholly before every query), returning
-// each row's output and log-sum-exp like SDPA's flash kernel.
+// float32 paged attention for the cpu backend: the queries of one row group of the paged-attention
+// op (paged_attention.py) against their context, read in place from the KV cache through block
+// tables, written straight into fms's output layout.
 //
-// Work split: the keys in `splits` contiguous ranges, one task per range covering every KV head
-// (the cache interleaves the heads, so a task reads its range's memory once, in order); each
-// task keeps an online softmax (running max m, sum l, unnormalized output o) per row and head;
-// the ranges are merged at the end. Per tile of 48 keys and head: the keys are transposed into
-// [head_dim][48] (8 x 8 AVX transposes), scores = q . k^T by the 4 x 24 register block of
-// linear_f32.cpp, then exp, then o += p . v with 3 rows x 32 dims in registers.
-//
-// SDPA's flash kernel splits the work by query blocks and heads only: a decode step with 3 KV
-// heads is 3 tasks for 2 threads, with the keys read per head.
+// Two parts, merged exactly through their log-sum-exps:
+// - the shared blocks (keys wholly before every query, no mask, read once for every row): the
+//   keys in `threads` contiguous ranges, one task per range covering every KV head (the cache
+//   interleaves the heads, so a task reads its range's memory once, in order); each task keeps
+//   an online softmax (running max m, sum l, unnormalized output o) per row and head, and the
+//   ranges are merged at the end. SDPA's flash kernel splits by query blocks and heads only: a
+//   decode step with 3 KV heads is 3 tasks for 2 threads, with the keys read per head;
+// - each sequence's own blocks, causal: one task per (sequence, head, 48 rows), a tile's rows
+//   that the mask hides it from wholly skipped.
+// Per tile of 48 keys and head: the keys are transposed into [head_dim][48] (8 x 8 AVX
+// transposes), scores = q . k^T by the 4 x 24 register block of linear_f32.cpp, then exp, then
+// o += p . v with 3 rows x 32 dims in registers.
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+
+#include "avx2_math.h"
 
 #define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
+using spyre_avx2::exp_clamped;
+using spyre_avx2::hmax;
+using spyre_avx2::hsum;
+
 constexpr int64_t kTile = 48;  // keys per tile: two 24-key column blocks
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// exp(x) for x <= 0 (Cephes' expf polynomial on the reduced argument; below -87 it is 0 to
-// float32 precision). Relative error ~1e-7.
-inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hmax(__m256 v) {
-    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
-}
-
-inline float hsum(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
-}
-
-// dst[0..8)[0..8) (row stride ldd, 32-byte aligned) = the transpose of src's 8 x 8 (stride lds).
-inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+// dst[0..8)[0..8) (row stride ldd, 32-byte aligned) = the transpose of rows[0..8)[d..d+8).
+inline void transpose8(const float* const* rows, int64_t d, float* dst, int64_t ldd) {
     __m256 r[8], t[8], u[8];
-    UNROLL for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    UNROLL for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows[i] + d);
     UNROLL for (int i = 0; i < 4; i++) {
         t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -97,16 +74,16 @@ inline void scores(const float* __restrict q, const float* __restrict kt, float*
     }
 }
 
-// o[MB][D] += p[MB][0..nk) . v[0..nk)[D] (v rows at stride ldv)
+// o[MB][D] += p[MB][0..nk) . v[0..nk)[D] (value k at vrows[k])
 template <int64_t D, int MB>
-inline void weighted_values(const float* __restrict p, const float* __restrict v, int64_t ldv,
-                            int64_t nk, float* __restrict o) {
+inline void weighted_values(const float* __restrict p, const float* const* vrows, int64_t nk,
+                            float* __restrict o) {
     UNROLL for (int64_t h = 0; h < D / 32; h++) {
         __m256 acc[MB][4];
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < 4; j++)
             acc[i][j] = _mm256_load_ps(o + i * D + h * 32 + j * 8);
         for (int64_t k = 0; k < nk; k++) {
-            const float* vr = v + k * ldv + h * 32;
+            const float* vr = vrows[k] + h * 32;
             const __m256 w0 = _mm256_loadu_ps(vr), w1 = _mm256_loadu_ps(vr + 8);
             const __m256 w2 = _mm256_loadu_ps(vr + 16), w3 = _mm256_loadu_ps(vr + 24);
             UNROLL for (int i = 0; i < MB; i++) {
@@ -123,9 +100,14 @@ inline void weighted_values(const float* __restrict p, const float* __restrict v
 }
 
 // Scales row r's scores, folds the tile into its running (m, l) and rescales its o; s becomes
-// the tile's probabilities (0 past nk).
+// the tile's probabilities (0 past nk; all 0 and the state untouched for nk <= 0, a row the
+// causal mask hides the whole tile from).
 template <int64_t D>
 inline void softmax_tile(float* s, int64_t nk, float scale, float* m, float* l, float* o) {
+    if (nk <= 0) {
+        for (int64_t j = 0; j < kTile; j++) s[j] = 0.0f;
+        return;
+    }
     const __m256 vscale = _mm256_set1_ps(scale);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < kTile; j += 8) {
@@ -145,7 +127,7 @@ inline void softmax_tile(float* s, int64_t nk, float scale, float* m, float* l, 
     const __m256 vnew = _mm256_set1_ps(new_max);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = 0; j < kTile; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(s + j), vnew));
+        const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_load_ps(s + j), vnew));
         const __m256 kept = j + 8 > nk ? _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
                                              _mm256_set1_epi32(static_cast<int>(nk - j)),
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))))
@@ -161,65 +143,115 @@ inline void softmax_tile(float* s, int64_t nk, float scale, float* m, float* l, 
     }
 }
 
-template <int64_t D>
-struct Scratch {
-    // Per (head, range): o [R][D], m [R], l [R]; per range: kt [D][kTile], s [R][kTile].
-    static int64_t state_numel(int64_t R) { return R * D + 2 * round16(R); }
-    static int64_t work_numel(int64_t R) { return D * kTile + R * kTile; }
+// Where a context's keys and values live in the cache [num_blocks][bs][H][D]: the context's key
+// j at offset(j) + h * D, through its block table.
+struct Context {
+    const float* k;
+    const float* v;
+    const int64_t* blocks;
+    int64_t bs;
+    int64_t ldk;  // H * D
+    int64_t offset(int64_t j) const { return (blocks[j / bs] * bs + j % bs) * ldk; }
 };
 
-// Rows of one head against the keys [t0, t0 + nk) of one tile.
 template <int64_t D>
-void attend_tile(const float* q, int64_t R, const float* k, const float* v, int64_t ldk,
-                 int64_t t0, int64_t nk, float scale, float* o, float* m, float* l, float* kt,
-                 float* s) {
+struct Work {
+    // A task's tile buffers: kt [D][kTile], s [rows][kTile], key/value row pointers.
+    static int64_t numel(int64_t rows) { return D * kTile + rows * kTile + 4 * kTile; }
+    float* kt;
+    float* s;
+    const float** krows;
+    const float** vrows;
+    Work(float* base, int64_t rows)
+        : kt(base), s(base + D * kTile), krows(reinterpret_cast<const float**>(base + D * kTile + rows * kTile)),
+          vrows(krows + kTile) {}
+};
+
+// Rows [0, R) of head h (q: [R][D]) against the context's keys [t0, t0 + nk) (nk <= kTile);
+// row i sees only the keys before limits[i] (nullptr: all of them). The rows' online-softmax
+// states are o [R][D], m [R], l [R].
+template <int64_t D>
+void attend_tile(const float* q, int64_t R, const Context& ctx, int64_t h, int64_t t0, int64_t nk,
+                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D>& w) {
+    for (int64_t j = 0; j < nk; j++) {
+        const int64_t off = ctx.offset(t0 + j) + h * D;
+        w.krows[j] = ctx.k + off;
+        w.vrows[j] = ctx.v + off;
+    }
     const int64_t full = nk / 8 * 8;
     for (int64_t j = 0; j < full; j += 8)
-        for (int64_t d = 0; d < D; d += 8) transpose8(k + (t0 + j) * ldk + d, ldk, kt + d * kTile + j, kTile);
+        for (int64_t d = 0; d < D; d += 8) transpose8(w.krows + j, d, w.kt + d * kTile + j, kTile);
     for (int64_t j = full; j < kTile; j++)
-        for (int64_t d = 0; d < D; d++) kt[d * kTile + j] = j < nk ? k[(t0 + j) * ldk + d] : 0.0f;
+        for (int64_t d = 0; d < D; d++) w.kt[d * kTile + j] = j < nk ? w.krows[j][d] : 0.0f;
     int64_t r = 0;
-    for (; r + 4 <= R; r += 4) scores<D, 4>(q + r * D, kt, s + r * kTile);
+    for (; r + 4 <= R; r += 4) scores<D, 4>(q + r * D, w.kt, w.s + r * kTile);
     switch (R - r) {
-        case 3: scores<D, 3>(q + r * D, kt, s + r * kTile); break;
-        case 2: scores<D, 2>(q + r * D, kt, s + r * kTile); break;
-        case 1: scores<D, 1>(q + r * D, kt, s + r * kTile); break;
+        case 3: scores<D, 3>(q + r * D, w.kt, w.s + r * kTile); break;
+        case 2: scores<D, 2>(q + r * D, w.kt, w.s + r * kTile); break;
+        case 1: scores<D, 1>(q + r * D, w.kt, w.s + r * kTile); break;
         default: break;
     }
-    for (int64_t i = 0; i < R; i++) softmax_tile<D>(s + i * kTile, nk, scale, m + i, l + i, o + i * D);
-    const float* vt = v + t0 * ldk;
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t row_nk = limits == nullptr ? nk : (limits[i] - t0 < nk ? limits[i] - t0 : nk);
+        softmax_tile<D>(w.s + i * kTile, row_nk, scale, m + i, l + i, o + i * D);
+    }
     r = 0;
-    for (; r + 3 <= R; r += 3) weighted_values<D, 3>(s + r * kTile, vt, ldk, nk, o + r * D);
+    for (; r + 3 <= R; r += 3) weighted_values<D, 3>(w.s + r * kTile, w.vrows, nk, o + r * D);
     switch (R - r) {
-        case 2: weighted_values<D, 2>(s + r * kTile, vt, ldk, nk, o + r * D); break;
-        case 1: weighted_values<D, 1>(s + r * kTile, vt, ldk, nk, o + r * D); break;
+        case 2: weighted_values<D, 2>(w.s + r * kTile, w.vrows, nk, o + r * D); break;
+        case 1: weighted_values<D, 1>(w.s + r * kTile, w.vrows, nk, o + r * D); break;
         default: break;
     }
 }
 
 template <int64_t D>
-void attention(const float* q, const float* k, const float* v, int64_t H, int64_t R, int64_t L,
-               int64_t ldk, float scale, int64_t splits, float* scratch, float* out, float* lse) {
-    const int64_t state = Scratch<D>::state_numel(R), work = Scratch<D>::work_numel(R);
-    float* states = scratch;                 // [H][splits] states
-    float* works = scratch + H * splits * state;  // [splits] work areas
+inline void reset_state(float* o, float* m, float* l, int64_t R) {
+    for (int64_t i = 0; i < R * D; i++) o[i] = 0.0f;
+    for (int64_t i = 0; i < R; i++) { m[i] = -INFINITY; l[i] = 0.0f; }
+}
+
+constexpr int64_t kOwnRows = 48;  // rows per task of the own blocks' part
+
+template <int64_t D>
+struct Layout {
+    // Floats of scratch, in order: qs [H][R][D]; shared out [H][R][D] and lse [H][round16(R)];
+    // per (head, split) shared states o [R][D], m, l; per thread: a shared Work of R rows, or
+    // an own task's Work, o, m, l of kOwnRows rows.
+    int64_t H, R, splits, threads;
+    int64_t state() const { return R * D + 2 * round16(R); }
+    int64_t thread_work() const {
+        const int64_t own = Work<D>::numel(kOwnRows) + kOwnRows * D + 2 * round16(kOwnRows);
+        const int64_t shared = Work<D>::numel(R);
+        return own > shared ? own : shared;
+    }
+    int64_t numel() const {
+        return 2 * H * R * D + H * round16(R) + H * splits * state() + threads * thread_work();
+    }
+};
+
+// The shared blocks: every row of every head against keys [0, L) of ctx, in `splits` key ranges
+// (one task per range, over every head: a range's memory is read once, in order), merged into
+// out [H][R][D] and lse [H][round16(R)].
+template <int64_t D>
+void shared_part(const float* qs, int64_t H, int64_t R, const Context& ctx, int64_t L, float scale,
+                 int64_t splits, float* states, float* works, int64_t work_stride, float* out,
+                 float* lse) {
+    const int64_t state = R * D + 2 * round16(R);
     const int64_t range = ((L + splits - 1) / splits + kTile - 1) / kTile * kTile;
     #pragma omp parallel for schedule(static)
     for (int64_t sp = 0; sp < splits; sp++) {
         const int64_t k0 = sp * range, k1 = (sp + 1) * range < L ? (sp + 1) * range : L;
-        float* kt = works + sp * work;
-        float* s = kt + D * kTile;
+        Work<D> w(works + sp * work_stride, R);
         for (int64_t h = 0; h < H; h++) {
             float* o = states + (h * splits + sp) * state;
-            for (int64_t i = 0; i < R * D; i++) o[i] = 0.0f;
-            for (int64_t i = 0; i < R; i++) { o[R * D + i] = -INFINITY; o[R * D + round16(R) + i] = 0.0f; }
+            reset_state<D>(o, o + R * D, o + R * D + round16(R), R);
         }
         for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
             const int64_t nk = k1 - t0 < kTile ? k1 - t0 : kTile;
             for (int64_t h = 0; h < H; h++) {
                 float* o = states + (h * splits + sp) * state;
-                attend_tile<D>(q + h * R * D, R, k + h * D, v + h * D, ldk, t0, nk, scale, o,
-                               o + R * D, o + R * D + round16(R), kt, s);
+                attend_tile<D>(qs + h * R * D, R, ctx, h, t0, nk, nullptr, scale, o, o + R * D,
+                               o + R * D + round16(R), w);
             }
         }
     }
@@ -242,7 +274,82 @@ void attention(const float* q, const float* k, const float* v, int64_t H, int64_
             for (int64_t d = 0; d < D; d++) acc[d] += st[r * D + d] * f;
         }
         for (int64_t d = 0; d < D; d++) out[hr * D + d] = acc[d] / total;
-        lse[hr] = max + logf(total);
+        lse[h * round16(R) + r] = max + logf(total);
+    }
+}
+
+template <int64_t D>
+void paged_attention(const float* q, const float* k_cache, const float* v_cache, int64_t bs,
+                     int64_t H, int64_t G, int64_t n, int64_t nq, const int64_t* shared_blocks,
+                     int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
+                     const int64_t* positions, float scale, int64_t threads, float* scratch,
+                     float* out) {
+    const int64_t Rb = nq * G;  // rows per head of one sequence
+    const Layout<D> lay{H, n * Rb, threads, threads};
+    const int64_t R = lay.R, ldk = H * D, shared_len = num_shared * bs;
+    float* qs = scratch;
+    float* shared_out = qs + H * R * D;
+    float* shared_lse = shared_out + H * R * D;
+    float* states = shared_lse + H * round16(R);
+    float* works = states + H * threads * lay.state();
+    // qs[h][r] = q[b][i][h * G + g] for row r = (b * nq + i) * G + g.
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t r = 0; r < R; r++) {
+            const float* src = q + ((r / G) * H * G + h * G + r % G) * D;
+            float* dst = qs + (h * R + r) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d];
+        }
+    if (num_shared > 0) {
+        const Context ctx{k_cache, v_cache, shared_blocks, bs, ldk};
+        shared_part<D>(qs, H, R, ctx, shared_len, scale, threads, states, works, lay.thread_work(),
+                       shared_out, shared_lse);
+    }
+    // The own blocks: one task per (sequence, head, block of kOwnRows rows), causal.
+    const int64_t row_blocks = (Rb + kOwnRows - 1) / kOwnRows;
+    #pragma omp parallel num_threads(threads)
+    {
+        float* base = works + omp_get_thread_num() * lay.thread_work();
+        Work<D> w(base, kOwnRows);
+        float* o = base + Work<D>::numel(kOwnRows);
+        float* m = o + kOwnRows * D;
+        float* l = m + round16(kOwnRows);
+        int64_t limits[kOwnRows];
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < n * H * row_blocks; task++) {
+            const int64_t b = task / (H * row_blocks), h = task / row_blocks % H;
+            const int64_t r0 = task % row_blocks * kOwnRows;
+            const int64_t rows = Rb - r0 < kOwnRows ? Rb - r0 : kOwnRows;
+            const Context ctx{k_cache, v_cache, own_blocks + b * num_own, bs, ldk};
+            // Row r0 + i's query, at position p, sees the own keys before p + 1 - shared_len.
+            for (int64_t i = 0; i < rows; i++)
+                limits[i] = positions[b * nq + (r0 + i) / G] + 1 - shared_len;
+            reset_state<D>(o, m, l, rows);
+            const float* qrows = qs + (h * R + b * Rb + r0) * D;
+            const int64_t end = limits[rows - 1];  // positions ascend: the last row sees most
+            for (int64_t t0 = 0; t0 < end; t0 += kTile) {
+                const int64_t nk = end - t0 < kTile ? end - t0 : kTile;
+                int64_t first = 0;  // rows the mask hides the whole tile from come first
+                while (limits[first] <= t0) first++;
+                attend_tile<D>(qrows + first * D, rows - first, ctx, h, t0, nk, limits + first,
+                               scale, o + first * D, m + first, l + first, w);
+            }
+            // Merge with the shared part through the log-sum-exps, into out's layout.
+            for (int64_t i = 0; i < rows; i++) {
+                const int64_t r = b * Rb + r0 + i;
+                float* dst = out + ((r / G) * H * G + h * G + r % G) * D;
+                float own_w = 1.0f, shared_w = 0.0f;
+                const float* so = shared_out + (h * R + r) * D;
+                if (num_shared > 0) {
+                    const float s_lse = shared_lse[h * round16(R) + r];
+                    const float mx = m[i] > s_lse ? m[i] : s_lse;
+                    own_w = expf(m[i] - mx);
+                    shared_w = expf(s_lse - mx);
+                }
+                const float inv = 1.0f / (l[i] * own_w + shared_w);
+                for (int64_t d = 0; d < D; d++)
+                    dst[d] = (o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv;
+            }
+        }
     }
 }
 
@@ -250,22 +357,35 @@ void attention(const float* q, const float* k, const float* v, int64_t H, int64_
 
 extern "C" {
 
-// Floats of scratch for spyre_attention_f32 (32-byte aligned).
-int64_t spyre_attention_f32_scratch_numel(int64_t head_dim, int64_t H, int64_t R, int64_t splits) {
-    if (head_dim == 64) return H * splits * Scratch<64>::state_numel(R) + splits * Scratch<64>::work_numel(R);
-    if (head_dim == 128) return H * splits * Scratch<128>::state_numel(R) + splits * Scratch<128>::work_numel(R);
+// Floats of scratch spyre_paged_attention_f32 needs (any alignment of torch's allocator: 64).
+int64_t spyre_paged_attention_f32_scratch_numel(int64_t head_dim, int64_t H, int64_t rows,
+                                                int64_t threads) {
+    if (head_dim == 64) return Layout<64>{H, rows, threads, threads}.numel();
+    if (head_dim == 128) return Layout<128>{H, rows, threads, threads}.numel();
     return -1;
 }
 
-// q: [H][R][head_dim] contiguous; key j of head h at k + j * ldk + h * head_dim (v alike), L >= 1
-// keys; out: [H][R][head_dim]; lse: [H][R] (natural log of the scaled scores' exp sum).
+// Attention of one row group of the paged-attention op, reading the cache in place.
+// q, out: [n][nq][H * G][head_dim] (n sequences of nq queries; G query heads per KV head);
+// k_cache, v_cache: [num_blocks][bs][H][head_dim]; shared_blocks: [num_shared] blocks every query
+// attends fully (keys 0 .. num_shared * bs); own_blocks: [n][num_own] each sequence's next blocks,
+// its query at position p seeing them up to p (causal; padding blocks beyond are never read);
+// positions: [n][nq], ascending per sequence, each within its own blocks. `threads` OpenMP
+// threads (the shared keys split in that many ranges); rows = n * nq * G for the scratch.
 // head_dim 64 or 128 (else returns 1 and writes nothing); returns 0.
-int spyre_attention_f32(int64_t head_dim, const float* q, const float* k, const float* v, int64_t H,
-                        int64_t R, int64_t L, int64_t ldk, float scale, int64_t splits,
-                        float* scratch, float* out, float* lse) {
-    if (head_dim == 64) attention<64>(q, k, v, H, R, L, ldk, scale, splits, scratch, out, lse);
-    else if (head_dim == 128) attention<128>(q, k, v, H, R, L, ldk, scale, splits, scratch, out, lse);
-    else return 1;
+int spyre_paged_attention_f32(int64_t head_dim, const float* q, const float* k_cache,
+                              const float* v_cache, int64_t bs, int64_t H, int64_t G, int64_t n,
+                              int64_t nq, const int64_t* shared_blocks, int64_t num_shared,
+                              const int64_t* own_blocks, int64_t num_own, const int64_t* positions,
+                              float scale, int64_t threads, float* scratch, float* out) {
+    if (head_dim == 64)
+        paged_attention<64>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                            own_blocks, num_own, positions, scale, threads, scratch, out);
+    else if (head_dim == 128)
+        paged_attention<128>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                             own_blocks, num_own, positions, scale, threads, scratch, out);
+    else
+        return 1;
     return 0;
 }
 

@@ -1,0 +1,138 @@
+"""The cpu backend's float32 RMS norms, GLU activations and rotary embeddings on our own kernels
+(``kernels/elementwise_f32.cpp``).
+
+A decode step runs ~60 of each; through aten each is several ops (torch's CPU ``rms_norm`` alone
+is seven), and every op costs microseconds whatever its size. Here each is one call. The
+results match fms's to float32 rounding (the norm's sum of squares and the SiLU's exp run in
+another order and precision); anything the kernels do not cover (another dtype, a norm with a
+mean or a shift, another activation, dropout while training) goes through the fast or fms code
+it replaces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from fms.modules.feedforward import GatedLinearUnit
+
+from spyre_server.model.fast_norm import FastRMSNorm
+from spyre_server.model.fast_rope import FastRotaryEmbedding
+from spyre_server.model.native_kernels import NativeKernels
+
+
+class NativeRMSNorm(FastRMSNorm):
+    native_kernels: NativeKernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype != torch.float32
+            or self.use_mean
+            or self.elementwise_shift
+            or not self.elementwise_scale
+        ):
+            return super().forward(x)
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape)
+        self.native_kernels.rms_norm(
+            rows.data_ptr(),
+            rows.stride(0),
+            self.weight.data_ptr(),
+            out.data_ptr(),
+            rows.shape[0],
+            width,
+            self.eps,
+        )
+        return out.view(x.shape)
+
+
+class NativeGatedLinearUnit(GatedLinearUnit):
+    native_kernels: NativeKernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            not self.fused
+            or not isinstance(self.a, torch.nn.SiLU)
+            or (self.p_dropout and self.training)
+        ):
+            return super().forward(x)
+        gate_up = self.wg1_fused(x)
+        if gate_up.dtype != torch.float32:
+            return super().forward(x)
+        rows = gate_up.reshape(-1, 2 * self.hidden_dim).contiguous()
+        hidden = torch.empty(rows.shape[0], self.hidden_dim)
+        self.native_kernels.silu_mul(
+            rows.data_ptr(), hidden.data_ptr(), rows.shape[0], self.hidden_dim
+        )
+        return self.w2(hidden.view(*x.shape[:-1], self.hidden_dim))
+
+
+class NativeRotaryEmbedding(FastRotaryEmbedding):
+    native_kernels: NativeKernels
+
+    def adjusted_qk(  # type: ignore[override]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past_kv_state: Any = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            position_ids is None
+            or self.rope_type == "yarn"
+            or self.partial_rope != 1.0
+            or q.dtype != torch.float32
+            or q.shape[-1] % 8
+        ):
+            return super().adjusted_qk(q, k, position_ids, past_kv_state, use_cache)
+        cos, signed_sin = self._tables(q.device, position_ids)
+        return self._rotate_native(q, cos, signed_sin), self._rotate_native(k, cos, signed_sin)
+
+    def _rotate_native(
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> torch.Tensor:
+        """``x`` ``[batch, seq, heads, head_dim]`` (each head's floats contiguous, as the views
+        of fms's fused QKV output are) rotated into a new contiguous tensor."""
+        batch, seq, heads, head_dim = x.shape
+        if x.stride(3) != 1 or x.stride(2) != head_dim or x.stride(0) != seq * x.stride(1):
+            x = x.contiguous()
+        out = torch.empty(x.shape)
+        self.native_kernels.rope(
+            x.data_ptr(),
+            x.stride(1),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            out.data_ptr(),
+            batch * seq,
+            heads,
+            head_dim,
+        )
+        return out
+
+
+def use_native_elementwise(model: torch.nn.Module, kernels: NativeKernels) -> int:
+    """Switch the RMS norms, gated linear units and rotary embeddings of ``model`` (in place,
+    after ``use_fast_rms_norm`` and ``use_fast_rope``) to the native kernels; returns how many
+    objects were switched."""
+    switched = 0
+    for module in model.modules():
+        targets: list[Any] = [module]
+        targets += [v for v in vars(module).values() if type(v) is FastRotaryEmbedding]
+        for target in targets:
+            native = _NATIVE.get(type(target))
+            if native is not None:
+                target.__class__ = native
+                target.native_kernels = kernels
+                switched += 1
+    return switched
+
+
+_NATIVE: dict[type, type] = {
+    FastRMSNorm: NativeRMSNorm,
+    GatedLinearUnit: NativeGatedLinearUnit,
+    FastRotaryEmbedding: NativeRotaryEmbedding,
+}
