@@ -74,24 +74,22 @@ inline void scores(const float* __restrict q, const float* __restrict kt, float*
     }
 }
 
-// o[MB][D] += p[MB][0..nk) . v[0..nk)[D] (value k at vrows[k])
+// o[MB][D] += p[MB][0..nk) . v[0..nk)[D] (value k at vrows[k] + hoff)
 template <int64_t D, int MB>
-inline void weighted_values(const float* __restrict p, const float* const* vrows, int64_t nk,
-                            float* __restrict o) {
+inline void weighted_values(const float* __restrict p, const float* const* vrows, int64_t hoff,
+                            int64_t nk, float* __restrict o) {
     UNROLL for (int64_t h = 0; h < D / 32; h++) {
         __m256 acc[MB][4];
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < 4; j++)
             acc[i][j] = _mm256_load_ps(o + i * D + h * 32 + j * 8);
         for (int64_t k = 0; k < nk; k++) {
-            const float* vr = vrows[k] + h * 32;
-            const __m256 w0 = _mm256_loadu_ps(vr), w1 = _mm256_loadu_ps(vr + 8);
-            const __m256 w2 = _mm256_loadu_ps(vr + 16), w3 = _mm256_loadu_ps(vr + 24);
-            UNROLL for (int i = 0; i < MB; i++) {
-                const __m256 x = _mm256_broadcast_ss(p + i * kTile + k);
-                acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
-                acc[i][2] = _mm256_fmadd_ps(x, w2, acc[i][2]);
-                acc[i][3] = _mm256_fmadd_ps(x, w3, acc[i][3]);
+            // 12 accumulators + MB broadcasts + one value vector: 16 registers, none spilled.
+            const float* vr = vrows[k] + hoff + h * 32;
+            __m256 x[MB];
+            UNROLL for (int i = 0; i < MB; i++) x[i] = _mm256_broadcast_ss(p + i * kTile + k);
+            UNROLL for (int j = 0; j < 4; j++) {
+                const __m256 w = _mm256_loadu_ps(vr + j * 8);
+                UNROLL for (int i = 0; i < MB; i++) acc[i][j] = _mm256_fmadd_ps(x[i], w, acc[i][j]);
             }
         }
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < 4; j++)
@@ -144,14 +142,13 @@ inline void softmax_tile(float* s, int64_t nk, float scale, float* m, float* l, 
 }
 
 // Where a context's keys and values live in the cache [num_blocks][bs][H][D]: the context's key
-// j at offset(j) + h * D, through its block table.
+// j of head h at (blocks[j / bs] * bs + j % bs) * ldk + h * D.
 struct Context {
     const float* k;
     const float* v;
     const int64_t* blocks;
     int64_t bs;
     int64_t ldk;  // H * D
-    int64_t offset(int64_t j) const { return (blocks[j / bs] * bs + j % bs) * ldk; }
 };
 
 template <int64_t D>
@@ -167,22 +164,30 @@ struct Work {
           vrows(krows + kTile) {}
 };
 
-// Rows [0, R) of head h (q: [R][D]) against the context's keys [t0, t0 + nk) (nk <= kTile);
-// row i sees only the keys before limits[i] (nullptr: all of them). The rows' online-softmax
-// states are o [R][D], m [R], l [R].
+// Points w's key and value rows at the context's keys [t0, t0 + nk) of head 0.
 template <int64_t D>
-void attend_tile(const float* q, int64_t R, const Context& ctx, int64_t h, int64_t t0, int64_t nk,
-                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D>& w) {
+inline void locate_tile(const Context& ctx, int64_t t0, int64_t nk, Work<D>& w) {
+    int64_t block = t0 / ctx.bs, in_block = t0 % ctx.bs;
     for (int64_t j = 0; j < nk; j++) {
-        const int64_t off = ctx.offset(t0 + j) + h * D;
+        const int64_t off = (ctx.blocks[block] * ctx.bs + in_block) * ctx.ldk;
         w.krows[j] = ctx.k + off;
         w.vrows[j] = ctx.v + off;
+        if (++in_block == ctx.bs) { in_block = 0; block++; }
     }
+}
+
+// Rows [0, R) of head h (q: [R][D]) against the tile of nk keys (nk <= kTile) locate_tile put
+// in w; row i sees only the keys before limits[i] - t0 of the tile (limits nullptr: all of
+// them). The rows' online-softmax states are o [R][D], m [R], l [R].
+template <int64_t D>
+void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
+                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D>& w) {
+    const int64_t hoff = h * D;
     const int64_t full = nk / 8 * 8;
     for (int64_t j = 0; j < full; j += 8)
-        for (int64_t d = 0; d < D; d += 8) transpose8(w.krows + j, d, w.kt + d * kTile + j, kTile);
+        for (int64_t d = 0; d < D; d += 8) transpose8(w.krows + j, hoff + d, w.kt + d * kTile + j, kTile);
     for (int64_t j = full; j < kTile; j++)
-        for (int64_t d = 0; d < D; d++) w.kt[d * kTile + j] = j < nk ? w.krows[j][d] : 0.0f;
+        for (int64_t d = 0; d < D; d++) w.kt[d * kTile + j] = j < nk ? w.krows[j][hoff + d] : 0.0f;
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) scores<D, 4>(q + r * D, w.kt, w.s + r * kTile);
     switch (R - r) {
@@ -196,10 +201,10 @@ void attend_tile(const float* q, int64_t R, const Context& ctx, int64_t h, int64
         softmax_tile<D>(w.s + i * kTile, row_nk, scale, m + i, l + i, o + i * D);
     }
     r = 0;
-    for (; r + 3 <= R; r += 3) weighted_values<D, 3>(w.s + r * kTile, w.vrows, nk, o + r * D);
+    for (; r + 3 <= R; r += 3) weighted_values<D, 3>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D);
     switch (R - r) {
-        case 2: weighted_values<D, 2>(w.s + r * kTile, w.vrows, nk, o + r * D); break;
-        case 1: weighted_values<D, 1>(w.s + r * kTile, w.vrows, nk, o + r * D); break;
+        case 2: weighted_values<D, 2>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
+        case 1: weighted_values<D, 1>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
         default: break;
     }
 }
@@ -248,9 +253,10 @@ void shared_part(const float* qs, int64_t H, int64_t R, const Context& ctx, int6
         }
         for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
             const int64_t nk = k1 - t0 < kTile ? k1 - t0 : kTile;
+            locate_tile<D>(ctx, t0, nk, w);
             for (int64_t h = 0; h < H; h++) {
                 float* o = states + (h * splits + sp) * state;
-                attend_tile<D>(qs + h * R * D, R, ctx, h, t0, nk, nullptr, scale, o, o + R * D,
+                attend_tile<D>(qs + h * R * D, R, h, t0, nk, nullptr, scale, o, o + R * D,
                                o + R * D + round16(R), w);
             }
         }
@@ -330,8 +336,9 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
                 const int64_t nk = end - t0 < kTile ? end - t0 : kTile;
                 int64_t first = 0;  // rows the mask hides the whole tile from come first
                 while (limits[first] <= t0) first++;
-                attend_tile<D>(qrows + first * D, rows - first, ctx, h, t0, nk, limits + first,
-                               scale, o + first * D, m + first, l + first, w);
+                locate_tile<D>(ctx, t0, nk, w);
+                attend_tile<D>(qrows + first * D, rows - first, h, t0, nk, limits + first, scale,
+                               o + first * D, m + first, l + first, w);
             }
             // Merge with the shared part through the log-sum-exps, into out's layout.
             for (int64_t i = 0; i < rows; i++) {
