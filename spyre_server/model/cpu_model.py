@@ -10,8 +10,9 @@ buffer with it (only the module objects are new), then, on the copy only:
   (``linear_kernel="native"``, ``native_linear.py``) or for oneDNN (``"onednn"``,
   ``packed_linear.py``), or stay ``F.linear`` (``"aten"``); the packed kernels differ from
   ``F.linear`` by float32 rounding. With ``native``, its RMS norms, GLU activations and rotary
-  embeddings run on our own kernels too (``native_elementwise.py``, float32 rounding again). ``"auto"`` is ``native`` for float32 on CPUs with AVX2 and
-  FMA, ``onednn`` otherwise (``resolve_linear_kernel``).
+  embeddings run on our own kernels too (``native_elementwise.py``, float32 rounding again).
+  ``"auto"`` is ``native`` for float32 on CPUs with AVX2 and FMA, ``onednn`` otherwise
+  (``resolve_linear_kernel``).
 
 ``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
 (``model.attention_kernel``).

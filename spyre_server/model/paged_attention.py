@@ -17,7 +17,9 @@ table, as planned once per step by ``plan_attention``:
 
 Attention is computed with grouped queries (the query heads of one KV head are folded into the
 query rows), so K/V are never repeated per query head. Nothing is copied but the context being
-attended over.
+attended over. A ``PagedAttentionKernel`` (``NativePagedAttention``, with
+``model.attention_kernel: native``) takes over the whole compute from the same plan, reading
+every block in place.
 
 Selected per forward call with ``attn_name=ATTN_NAME`` and the keyword arguments built by
 ``paged_attention_kwargs``.
