@@ -8,10 +8,15 @@
 // rows of a decode step that streams the weights from memory at 1.5-2x the rate of oneDNN's
 // packed kernel, and at 64-256 rows it runs at or above oneDNN's GEMM rate (bench_kernels.py).
 //
+// From 16 rows on (prefill), x's 4-row blocks are first packed k-major, so the 4 broadcasts of a
+// k step read one stream instead of 4 rows K apart: 3% off a 64- or 256-token step's time
+// (in-process A/B, RESULTS.md pass 10); the sums run in the same order either way.
+//
 // Threads: an OpenMP loop over blocks of 3 panels, in the OpenMP runtime torch already loaded
 // (libgomp.so.1 by soname), so this runs on torch's own thread pool and thread count.
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define UNROLL _Pragma("GCC unroll 16")
 
@@ -22,16 +27,19 @@ constexpr int kPanelsPerBlock = 3;
 constexpr int kRowsPerBlock = 4;
 
 // y[0..MB)[0..NB*8) = x[0..MB)[0..K) . panels[0..NB); the last panel stores only last_cols.
+// x_stride / x_step: x[i][k] at x + i * x_stride + k * x_step (rows as given: K, 1; a packed
+// 4-row block: 1, 4).
 template <int MB, int NB>
-inline void block(const float* __restrict x, int64_t K, const float* __restrict panels,
-                  float* __restrict y, int64_t ldy, int64_t last_cols) {
+inline void block(const float* __restrict x, int64_t x_stride, int64_t x_step, int64_t K,
+                  const float* __restrict panels, float* __restrict y, int64_t ldy,
+                  int64_t last_cols) {
     __m256 acc[MB][NB];
     UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         __m256 w[NB];
         UNROLL for (int j = 0; j < NB; j++) w[j] = _mm256_load_ps(panels + (j * K + k) * kPanel);
         UNROLL for (int i = 0; i < MB; i++) {
-            const __m256 xv = _mm256_broadcast_ss(x + i * K + k);
+            const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + k * x_step);
             UNROLL for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
         }
     }
@@ -48,18 +56,47 @@ inline void block(const float* __restrict x, int64_t K, const float* __restrict 
     }
 }
 
+// xp: nullptr, or x's full 4-row blocks packed k-major ([M / 4][K][4]).
 template <int NB>
-inline void column_block(const float* x, const float* panels, float* y, int64_t M, int64_t K,
-                         int64_t N, int64_t last_cols) {
+inline void column_block(const float* x, const float* xp, const float* panels, float* y,
+                         int64_t M, int64_t K, int64_t N, int64_t last_cols) {
     int64_t m = 0;
-    for (; m + kRowsPerBlock <= M; m += kRowsPerBlock)
-        block<kRowsPerBlock, NB>(x + m * K, K, panels, y + m * N, N, last_cols);
+    for (; m + kRowsPerBlock <= M; m += kRowsPerBlock) {
+        if (xp != nullptr)
+            block<kRowsPerBlock, NB>(xp + m * K, 1, kRowsPerBlock, K, panels, y + m * N, N,
+                                     last_cols);
+        else
+            block<kRowsPerBlock, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols);
+    }
     switch (M - m) {
-        case 3: block<3, NB>(x + m * K, K, panels, y + m * N, N, last_cols); break;
-        case 2: block<2, NB>(x + m * K, K, panels, y + m * N, N, last_cols); break;
-        case 1: block<1, NB>(x + m * K, K, panels, y + m * N, N, last_cols); break;
+        case 3: block<3, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
+        case 2: block<2, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
+        case 1: block<1, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
         default: break;
     }
+}
+
+constexpr int64_t kPackRows = 16;  // from this many rows on, x's row blocks are packed
+
+// x's full 4-row blocks, k-major ([M / 4][K][4]), in the calling thread's buffer (kept and
+// grown; a decode step's few rows are not packed).
+inline const float* pack_rows(const float* x, int64_t M, int64_t K) {
+    thread_local float* buffer = nullptr;
+    thread_local int64_t capacity = 0;
+    const int64_t blocks = M / kRowsPerBlock, need = blocks * kRowsPerBlock * K;
+    if (need > capacity) {
+        free(buffer);
+        buffer = static_cast<float*>(aligned_alloc(64, (need * 4 + 63) / 64 * 64));
+        capacity = buffer == nullptr ? 0 : need;
+        if (buffer == nullptr) return nullptr;  // no memory: the rows are read as given
+    }
+    float* out = buffer;  // (thread_local: the workers below must not read their own)
+    #pragma omp parallel for schedule(static) if (need >= (1 << 16))
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < kRowsPerBlock; i++)
+                out[(b * K + k) * kRowsPerBlock + i] = x[(b * kRowsPerBlock + i) * K + k];
+    return out;
 }
 
 }  // namespace
@@ -87,6 +124,7 @@ void spyre_linear_f32(const float* x, const float* panels, float* y, int64_t M, 
                       int64_t N) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t num_blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
+    const float* xp = M >= kPackRows ? pack_rows(x, M, K) : nullptr;
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t first = b * kPanelsPerBlock;
@@ -96,9 +134,9 @@ void spyre_linear_f32(const float* x, const float* panels, float* y, int64_t M, 
         const float* p = panels + first * K * kPanel;
         float* yb = y + first * kPanel;
         switch (count) {
-            case 3: column_block<3>(x, p, yb, M, K, N, last_cols); break;
-            case 2: column_block<2>(x, p, yb, M, K, N, last_cols); break;
-            default: column_block<1>(x, p, yb, M, K, N, last_cols); break;
+            case 3: column_block<3>(x, xp, p, yb, M, K, N, last_cols); break;
+            case 2: column_block<2>(x, xp, p, yb, M, K, N, last_cols); break;
+            default: column_block<1>(x, xp, p, yb, M, K, N, last_cols); break;
         }
     }
 }
