@@ -42,7 +42,6 @@ DECODE_ROWS = 8
 
 _reorder = torch.ops.mkldnn._reorder_linear_weight
 _linear = torch.ops.mkldnn._linear_pointwise
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def seconds(fn: Callable[[], object], reps: int = 7) -> float:

@@ -21,11 +21,15 @@ class FastRMSNorm(LayerNormParameterized):
         if self.use_mean or self.elementwise_shift or not self.elementwise_scale:
             return super().forward(x)
         if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return self._float32_norm(x)
         if not self.use_high_precision_pow:
             return super().forward(x)
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x)
         return self.weight * normed
+
+    def _float32_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain RMS norm of float32 ``x`` (subclasses put another kernel here)."""
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def use_fast_rms_norm(model: torch.nn.Module) -> int:

@@ -37,7 +37,11 @@ class FastRotaryEmbedding(RotaryEmbedding):
         if position_ids is None or self.rope_type == "yarn" or self.partial_rope != 1.0:
             return super().adjusted_qk(q, k, position_ids, past_kv_state, use_cache)
         cos, signed_sin = self._tables(q.device, position_ids)
-        return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
+        return self._rotate(q, cos, signed_sin), self._rotate(k, cos, signed_sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """One rotation (subclasses put another kernel here)."""
+        return _rotate(x, cos, signed_sin)
 
     def _tables(
         self, device: torch.device, position_ids: torch.Tensor

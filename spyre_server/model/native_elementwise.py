@@ -24,14 +24,7 @@ from spyre_server.model.native_kernels import NativeKernels
 class NativeRMSNorm(FastRMSNorm):
     native_kernels: NativeKernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.dtype != torch.float32
-            or self.use_mean
-            or self.elementwise_shift
-            or not self.elementwise_scale
-        ):
-            return super().forward(x)
+    def _float32_norm(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
         rows = x.reshape(-1, width)
         if rows.stride(-1) != 1:
@@ -55,13 +48,12 @@ class NativeGatedLinearUnit(GatedLinearUnit):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             not self.fused
+            or x.dtype != torch.float32
             or not isinstance(self.a, torch.nn.SiLU)
             or (self.p_dropout and self.training)
         ):
             return super().forward(x)
         gate_up = self.wg1_fused(x)
-        if gate_up.dtype != torch.float32:
-            return super().forward(x)
         rows = gate_up.reshape(-1, 2 * self.hidden_dim).contiguous()
         hidden = torch.empty(rows.shape[0], self.hidden_dim)
         self.native_kernels.silu_mul(
@@ -73,31 +65,12 @@ class NativeGatedLinearUnit(GatedLinearUnit):
 class NativeRotaryEmbedding(FastRotaryEmbedding):
     native_kernels: NativeKernels
 
-    def adjusted_qk(  # type: ignore[override]
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        past_kv_state: Any = None,
-        use_cache: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (
-            position_ids is None
-            or self.rope_type == "yarn"
-            or self.partial_rope != 1.0
-            or q.dtype != torch.float32
-            or q.shape[-1] % 8
-        ):
-            return super().adjusted_qk(q, k, position_ids, past_kv_state, use_cache)
-        cos, signed_sin = self._tables(q.device, position_ids)
-        return self._rotate_native(q, cos, signed_sin), self._rotate_native(k, cos, signed_sin)
-
-    def _rotate_native(
-        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-    ) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``[batch, seq, heads, head_dim]`` (each head's floats contiguous, as the views
         of fms's fused QKV output are) rotated into a new contiguous tensor."""
         batch, seq, heads, head_dim = x.shape
+        if x.dtype != torch.float32 or head_dim % 8:
+            return super()._rotate(x, cos, signed_sin)
         if x.stride(3) != 1 or x.stride(2) != head_dim or x.stride(0) != seq * x.stride(1):
             x = x.contiguous()
         out = torch.empty(x.shape)
