@@ -40,8 +40,9 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.model.cpu_backend import CpuModelRunner
-from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_inference_copy
+from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder, cpu_inference_copy
 from spyre_server.model.loading import cpu_flags, load_model
+from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.paged_attention import PagedAttentionKernel
 from spyre_server.model.runner import kv_cache_shape
 from spyre_server.model.store import default_cache_dir, prepare_default_model
@@ -88,6 +89,7 @@ class Bench:
         dtype: torch.dtype,
         vocab: int,
         attention: PagedAttentionKernel | None = None,
+        decoder: NativeDecoder | None = None,
     ) -> None:
         self.model = model
         self.dtype = dtype
@@ -99,6 +101,7 @@ class Bench:
             block_size=BS,
             dtype=dtype,
             attention=attention,
+            decoder=decoder,
         )
 
     def scheduler(
@@ -313,6 +316,12 @@ def main() -> None:
         default="auto",
         help="model.attention_kernel: auto (the server's default), ours, or SDPA's flash kernel",
     )
+    parser.add_argument(
+        "--fms-forward",
+        action="store_true",
+        help="run the steps through fms's forward even where the native decoder covers the "
+        "model (the server uses the decoder there)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -322,6 +331,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, reps {args.reps} "
         f"(median), linear kernel {args.linear_kernel}, attention kernel {args.attention_kernel}"
+        f"{', fms forward' if args.fms_forward else ''}"
     )
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f} on {os.cpu_count()} CPUs")
@@ -347,7 +357,8 @@ def main() -> None:
         attention = cpu_attention_kernel(
             args.attention_kernel, dtype=dtype, head_dim=kv_cache_shape(model).head_dim
         )
-        bench = Bench(model, dtype, loaded.vocab_size, attention)
+        decoder = None if args.fms_forward else cpu_decoder(model, attention)
+        bench = Bench(model, dtype, loaded.vocab_size, attention, decoder)
         for section in args.sections.split(","):
             results += SECTIONS[section](bench, args.reps, label)
         if args.profile:

@@ -10,7 +10,7 @@ from spyre_server.config import Config
 from spyre_server.engine import LLMEngine
 from spyre_server.model.compile import prepare_backend, sendnn_environment
 from spyre_server.model.cpu_backend import CpuModelRunner
-from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_inference_copy
+from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder, cpu_inference_copy
 from spyre_server.model.loading import LoadedModel, num_kv_blocks, served_model_name
 from spyre_server.model.runner import ModelRunner, kv_cache_shape
 from spyre_server.model.spyre_backend import SpyreModelRunner
@@ -99,6 +99,7 @@ def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) 
             block_size=sched.block_size,
             dtype=loaded.dtype,
             attention=attention,
+            decoder=cpu_decoder(model, attention),
         )
     check_backend(config)
     if config.model.compile_backend != "sendnn":

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from scheduler import DecodeBatch, PrefillChunk, PrefillCompute
+from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.paged_attention import (
+    AttentionPlan,
     PagedAttentionKernel,
     paged_attention_kwargs,
     plan_attention,
@@ -30,11 +32,14 @@ class CpuModelRunner(ModelRunner):
         block_size: int,
         dtype: torch.dtype,
         attention: PagedAttentionKernel | None = None,
+        decoder: NativeDecoder | None = None,
     ) -> None:
         """``attention``: the kernel for the paged-attention op's compute (None: SDPA's flash
-        kernel on gathered blocks)."""
+        kernel on gathered blocks). ``decoder``: runs the steps instead of the model's forward
+        (the same logits and KV; ``cpu_model.cpu_decoder``)."""
         super().__init__(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
         self.attention = attention
+        self.decoder = decoder
 
     def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
         bs = self.block_size
@@ -54,40 +59,44 @@ class CpuModelRunner(ModelRunner):
     def _forward_chunk(self, step: PrefillChunk, first: int, *, last_n_tokens: int) -> torch.Tensor:
         """Compute the chunk's positions from index ``first`` on (writing their KV)."""
         positions = step.positions[first:]
-        input_ids = torch.tensor([step.token_ids[first:]])
-        plan = plan_attention([step.block_table], [positions], self.block_size)
-        kwargs = paged_attention_kwargs(
-            torch.tensor(step.slot_mapping[first:]), plan, self.attention
+        return self._forward(
+            torch.tensor([step.token_ids[first:]]),
+            torch.tensor([positions]),
+            torch.tensor(step.slot_mapping[first:]),
+            plan_attention([step.block_table], [positions], self.block_size),
+            last_n_tokens=last_n_tokens,
         )
-        position_ids = torch.tensor([positions])
-        return self._forward(input_ids, position_ids, kwargs, last_n_tokens=last_n_tokens)
 
     def _decode(self, step: DecodeBatch) -> torch.Tensor:
         entries = step.entries
-        plan = plan_attention(
-            [e.block_table for e in entries], [[e.position] for e in entries], self.block_size
-        )
-        kwargs = paged_attention_kwargs(
-            torch.tensor([e.slot for e in entries]), plan, self.attention
-        )
-        position_ids = torch.tensor([[e.position] for e in entries])
-        input_ids = torch.tensor([[e.token_id] for e in entries])
-        return self._forward(input_ids, position_ids, kwargs, last_n_tokens=1)[:, -1]
+        positions = [[e.position] for e in entries]
+        return self._forward(
+            torch.tensor([[e.token_id] for e in entries]),
+            torch.tensor(positions),
+            torch.tensor([e.slot for e in entries]),
+            plan_attention([e.block_table for e in entries], positions, self.block_size),
+            last_n_tokens=1,
+        )[:, -1]
 
     def _forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        kwargs: dict[str, object],
+        slot_mapping: torch.Tensor,
+        plan: AttentionPlan,
         *,
         last_n_tokens: int,
     ) -> torch.Tensor:
+        if self.decoder is not None:
+            return self.decoder(
+                input_ids, position_ids, slot_mapping, plan, self.kv_caches, last_n_tokens
+            )
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
             past_key_value_states=self.kv_caches,
             use_cache=True,
             last_n_tokens=last_n_tokens,
-            **kwargs,
+            **paged_attention_kwargs(slot_mapping, plan, self.attention),
         )
         return logits

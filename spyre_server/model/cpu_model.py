@@ -15,7 +15,8 @@ buffer with it (only the module objects are new), then, on the copy only:
   (``resolve_linear_kernel``).
 
 ``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
-(``model.attention_kernel``).
+(``model.attention_kernel``), and ``cpu_decoder`` its native step (``native_decoder.py``) when
+both kernels are native.
 
 The loaded model is left as it was (tests share one model between engines and oracles). Drop it
 to free the unpacked linear weights.
@@ -34,6 +35,7 @@ import torch
 from spyre_server.model.fast_norm import use_fast_rms_norm
 from spyre_server.model.fast_rope import use_fast_rope
 from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativePagedAttention
+from spyre_server.model.native_decoder import NativeDecoder, unsupported_reason
 from spyre_server.model.native_elementwise import use_native_elementwise
 from spyre_server.model.native_kernels import (
     NativeKernelError,
@@ -101,6 +103,20 @@ def cpu_attention_kernel(
         return None
     logger.info("cpu kernels: attention_kernel native (%s)", attention_kernel)
     return NativePagedAttention(_native_kernels(kernel_dir))
+
+
+def cpu_decoder(
+    model: torch.nn.Module, attention: NativePagedAttention | None
+) -> NativeDecoder | None:
+    """The runner's native step for ``model`` (a ``cpu_inference_copy``) with ``attention``, or
+    None (logged with the reason) where it does not cover them: fms's forward runs the steps."""
+    reason = "the attention kernel is flash" if attention is None else unsupported_reason(model)
+    if reason is not None:
+        logger.info("cpu kernels: steps through fms's forward (%s)", reason)
+        return None
+    assert attention is not None
+    logger.info("cpu kernels: steps on the native decoder")
+    return NativeDecoder(model, attention)
 
 
 def _native_kernels(kernel_dir: Path | None) -> NativeKernels:

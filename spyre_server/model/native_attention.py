@@ -32,9 +32,11 @@ class NativePagedAttention:
         value_cache: torch.Tensor,
         plan: AttentionPlan,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query`` ``[batch, num_queries, nheads, head_dim]``; the caches ``[num_blocks,
-        block_size, kvheads, head_dim]`` -> the attention output, ``query``'s shape, float32."""
+        block_size, kvheads, head_dim]`` -> the attention output, ``query``'s shape, float32:
+        written into ``out`` when given (contiguous, ``query``'s shape), else a new tensor."""
         head_dim = query.shape[-1]
         if query.dtype != torch.float32 or head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
@@ -50,14 +52,18 @@ class NativePagedAttention:
                     f"not fit queries with head_dim {head_dim}"
                 )
         query = query.contiguous()
+        if out is None:
+            out = torch.empty_like(query)
+        elif out.shape != query.shape or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous float32 {tuple(query.shape)}")
         if len(plan.groups) == 1 and plan.groups[0].rows is None:
-            return self._group(query, key_cache, value_cache, plan.groups[0], scale)
-        out = torch.empty_like(query)
+            self._group(query, key_cache, value_cache, plan.groups[0], scale, out)
+            return out
         for group in plan.groups:
             assert group.rows is not None
-            attended = self._group(
-                query.index_select(0, group.rows), key_cache, value_cache, group, scale
-            )
+            rows = query.index_select(0, group.rows)
+            attended = torch.empty_like(rows)
+            self._group(rows, key_cache, value_cache, group, scale, attended)
             out.index_copy_(0, group.rows, attended)
         return out
 
@@ -68,7 +74,8 @@ class NativePagedAttention:
         value_cache: torch.Tensor,
         group: RowGroup,
         scale: float,
-    ) -> torch.Tensor:
+        out: torch.Tensor,
+    ) -> None:
         batch, num_queries, nheads, head_dim = query.shape
         _, block_size, kvheads, _ = key_cache.shape
         if group.max_block_id >= key_cache.shape[0]:
@@ -85,7 +92,6 @@ class NativePagedAttention:
         numel = self._kernels.paged_attention_scratch_numel(head_dim, kvheads, rows, threads)
         if self._scratch.numel() < numel:
             self._scratch = torch.empty(numel)
-        out = torch.empty_like(query)
         status = self._kernels.paged_attention(
             head_dim,
             query.data_ptr(),
@@ -107,4 +113,3 @@ class NativePagedAttention:
             out.data_ptr(),
         )
         assert status == 0, f"the attention kernel refused head_dim {head_dim}"
-        return out

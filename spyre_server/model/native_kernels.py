@@ -147,6 +147,9 @@ class NativeKernels:
     panels."""
     linear: Callable[[int, int, int, int, int, int], None]
     """(x, panels, out, M, K, N): out [M, N] = x [M, K] @ weight.T, both contiguous."""
+    linear_add: Callable[[int, int, int, int, int, int], None]
+    """(x, panels, out, M, K, N): out [M, N] += x [M, K] @ weight.T (a residual in place, the
+    same bits as ``linear`` then an add)."""
     paged_attention_scratch_numel: Callable[[int, int, int, int], int]
     """(head_dim, H, rows, threads) -> floats of scratch ``paged_attention`` needs (-1 for a
     head_dim other than 64 and 128)."""
@@ -182,6 +185,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_linear_f32_pack.restype = None
     lib.spyre_linear_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_linear_f32.restype = None
+    lib.spyre_linear_add_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.spyre_linear_add_f32.restype = None
     lib.spyre_paged_attention_f32_scratch_numel.argtypes = [i64, i64, i64, i64]
     lib.spyre_paged_attention_f32_scratch_numel.restype = i64
     lib.spyre_paged_attention_f32.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
@@ -199,6 +204,7 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         packed_numel=lib.spyre_linear_f32_packed_numel,
         pack=lib.spyre_linear_f32_pack,
         linear=lib.spyre_linear_f32,
+        linear_add=lib.spyre_linear_add_f32,
         paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
         paged_attention=lib.spyre_paged_attention_f32,
         rms_norm=lib.spyre_rms_norm_f32,

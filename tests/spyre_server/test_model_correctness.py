@@ -31,6 +31,7 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.model.cpu_backend import CpuModelRunner
+from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.paged_attention import PagedAttentionKernel
 from spyre_server.model.runner import ModelRunner
 
@@ -112,6 +113,7 @@ class Harness:
         enable_prefix_caching: bool = True,
         check: StepCheck | None = None,
         attention: PagedAttentionKernel | None = None,
+        decoder: NativeDecoder | None = None,
     ) -> None:
         self.sched = Scheduler(
             SchedulerConfig(
@@ -129,6 +131,7 @@ class Harness:
             block_size=BS,
             dtype=torch.float32,
             attention=attention,
+            decoder=decoder,
         )
         self.check = check
         self.traces: dict[str, Trace] = {}

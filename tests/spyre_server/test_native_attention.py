@@ -214,9 +214,9 @@ def test_decode_and_prefill_with_our_kernel_equal_full_forwards(one_thread: None
     group_call = native._group
 
     def counted(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                group: RowGroup, scale: float) -> torch.Tensor:  # fmt: skip
+                group: RowGroup, scale: float, out: torch.Tensor) -> None:  # fmt: skip
         num_shared_read.append(group.shared_blocks.numel())
-        return group_call(query, key_cache, value_cache, group, scale)
+        group_call(query, key_cache, value_cache, group, scale, out)
 
     native._group = counted  # type: ignore[method-assign]
     h = Harness(model, chunk_size=128, max_num_seqs=5, attention=native)

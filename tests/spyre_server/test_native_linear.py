@@ -94,6 +94,31 @@ def test_the_kernel_writes_exactly_its_outputs() -> None:
     assert canvas[rows * out_features :].isnan().all()
 
 
+@pytest.mark.parametrize(("rows", "out_features"), [(1, 7), (3, 24), (5, 25), (8, 576), (17, 49)])
+def test_linear_add_is_the_linear_then_an_add_bit_for_bit(rows: int, out_features: int) -> None:
+    """The residual epilogue (the native decoder's x += dense(attention)): every row block, a
+    partial last panel, the packed rows from 16 on; and nothing written past the outputs."""
+    torch.manual_seed(rows + out_features)
+    kernels = load_native_kernels(default_kernel_dir())
+    in_features = 33
+    weight = torch.randn(out_features, in_features)
+    panels = torch.empty(kernels.packed_numel(out_features, in_features))
+    kernels.pack(weight.data_ptr(), panels.data_ptr(), out_features, in_features)
+    x = torch.randn(rows, in_features)
+    residual = torch.randn(rows, out_features)
+    product = torch.empty(rows, out_features)
+    kernels.linear(
+        x.data_ptr(), panels.data_ptr(), product.data_ptr(), rows, in_features, out_features
+    )
+    canvas = torch.full((rows * out_features + 64,), float("nan"))
+    canvas[: rows * out_features] = residual.flatten()
+    kernels.linear_add(
+        x.data_ptr(), panels.data_ptr(), canvas.data_ptr(), rows, in_features, out_features
+    )
+    assert torch.equal(canvas[: rows * out_features].view(rows, out_features), product + residual)
+    assert canvas[rows * out_features :].isnan().all()
+
+
 def test_a_row_gets_the_same_bits_in_any_batch() -> None:
     """Batch invariance: each output is one k-ordered sum whatever the other rows are, so a
     request's logits do not depend on which requests share its decode step."""

@@ -26,10 +26,11 @@ constexpr int64_t kPanel = 8;     // output columns per panel
 constexpr int kPanelsPerBlock = 3;
 constexpr int kRowsPerBlock = 4;
 
-// y[0..MB)[0..NB*8) = x[0..MB)[0..K) . panels[0..NB); the last panel stores only last_cols.
+// y[0..MB)[0..NB*8) = x[0..MB)[0..K) . panels[0..NB) (+ y's own values with kAdd: the sum
+// rounded once more, the same bits as a separate add); the last panel stores only last_cols.
 // x_stride / x_step: x[i][k] at x + i * x_stride + k * x_step (rows as given: K, 1; a packed
 // 4-row block: 1, 4).
-template <int MB, int NB>
+template <int MB, int NB, bool kAdd>
 inline void block(const float* __restrict x, int64_t x_stride, int64_t x_step, int64_t K,
                   const float* __restrict panels, float* __restrict y, int64_t ldy,
                   int64_t last_cols) {
@@ -44,34 +45,38 @@ inline void block(const float* __restrict x, int64_t x_stride, int64_t x_step, i
         }
     }
     UNROLL for (int i = 0; i < MB; i++) {
-        UNROLL for (int j = 0; j < NB - 1; j++) _mm256_storeu_ps(y + i * ldy + j * kPanel, acc[i][j]);
+        UNROLL for (int j = 0; j < NB - 1; j++) {
+            float* out = y + i * ldy + j * kPanel;
+            _mm256_storeu_ps(out, kAdd ? _mm256_add_ps(acc[i][j], _mm256_loadu_ps(out)) : acc[i][j]);
+        }
         float* last = y + i * ldy + (NB - 1) * kPanel;
         if (last_cols == kPanel) {
-            _mm256_storeu_ps(last, acc[i][NB - 1]);
+            _mm256_storeu_ps(last, kAdd ? _mm256_add_ps(acc[i][NB - 1], _mm256_loadu_ps(last))
+                                        : acc[i][NB - 1]);
         } else {
             alignas(32) float tmp[kPanel];
             _mm256_store_ps(tmp, acc[i][NB - 1]);
-            for (int64_t c = 0; c < last_cols; c++) last[c] = tmp[c];
+            for (int64_t c = 0; c < last_cols; c++) last[c] = kAdd ? tmp[c] + last[c] : tmp[c];
         }
     }
 }
 
 // xp: nullptr, or x's full 4-row blocks packed k-major ([M / 4][K][4]).
-template <int NB>
+template <int NB, bool kAdd>
 inline void column_block(const float* x, const float* xp, const float* panels, float* y,
                          int64_t M, int64_t K, int64_t N, int64_t last_cols) {
     int64_t m = 0;
     for (; m + kRowsPerBlock <= M; m += kRowsPerBlock) {
         if (xp != nullptr)
-            block<kRowsPerBlock, NB>(xp + m * K, 1, kRowsPerBlock, K, panels, y + m * N, N,
+            block<kRowsPerBlock, NB, kAdd>(xp + m * K, 1, kRowsPerBlock, K, panels, y + m * N, N,
                                      last_cols);
         else
-            block<kRowsPerBlock, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols);
+            block<kRowsPerBlock, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols);
     }
     switch (M - m) {
-        case 3: block<3, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
-        case 2: block<2, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
-        case 1: block<1, NB>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
+        case 3: block<3, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
+        case 2: block<2, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
+        case 1: block<1, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
         default: break;
     }
 }
@@ -99,6 +104,27 @@ inline const float* pack_rows(const float* x, int64_t M, int64_t K) {
     return out;
 }
 
+template <bool kAdd>
+void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K, int64_t N) {
+    const int64_t num_panels = (N + kPanel - 1) / kPanel;
+    const int64_t num_blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
+    const float* xp = M >= kPackRows ? pack_rows(x, M, K) : nullptr;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t first = b * kPanelsPerBlock;
+        const int64_t count = num_panels - first < kPanelsPerBlock ? num_panels - first : kPanelsPerBlock;
+        const int64_t last_cols = N - (first + count - 1) * kPanel < kPanel
+                                      ? N - (first + count - 1) * kPanel : kPanel;
+        const float* p = panels + first * K * kPanel;
+        float* yb = y + first * kPanel;
+        switch (count) {
+            case 3: column_block<3, kAdd>(x, xp, p, yb, M, K, N, last_cols); break;
+            case 2: column_block<2, kAdd>(x, xp, p, yb, M, K, N, last_cols); break;
+            default: column_block<1, kAdd>(x, xp, p, yb, M, K, N, last_cols); break;
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -122,23 +148,14 @@ void spyre_linear_f32_pack(const float* w, float* panels, int64_t N, int64_t K) 
 // x: [M][K] row-major; y: [M][N] row-major (written, not accumulated).
 void spyre_linear_f32(const float* x, const float* panels, float* y, int64_t M, int64_t K,
                       int64_t N) {
-    const int64_t num_panels = (N + kPanel - 1) / kPanel;
-    const int64_t num_blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
-    const float* xp = M >= kPackRows ? pack_rows(x, M, K) : nullptr;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t first = b * kPanelsPerBlock;
-        const int64_t count = num_panels - first < kPanelsPerBlock ? num_panels - first : kPanelsPerBlock;
-        const int64_t last_cols = N - (first + count - 1) * kPanel < kPanel
-                                      ? N - (first + count - 1) * kPanel : kPanel;
-        const float* p = panels + first * K * kPanel;
-        float* yb = y + first * kPanel;
-        switch (count) {
-            case 3: column_block<3>(x, xp, p, yb, M, K, N, last_cols); break;
-            case 2: column_block<2>(x, xp, p, yb, M, K, N, last_cols); break;
-            default: column_block<1>(x, xp, p, yb, M, K, N, last_cols); break;
-        }
-    }
+    linear<false>(x, panels, y, M, K, N);
+}
+
+// y [M][N] += x [M][K] @ w^T: each sum as spyre_linear_f32 computes it, then added to y's value
+// (a residual connection in place, bit for bit as the separate add).
+void spyre_linear_add_f32(const float* x, const float* panels, float* y, int64_t M, int64_t K,
+                          int64_t N) {
+    linear<true>(x, panels, y, M, K, N);
 }
 
 }  // extern "C"

@@ -1,0 +1,201 @@
+"""A whole cpu step of an fms LLaMA on the native kernels, without fms's module machinery.
+
+``cpu_inference_copy(linear_kernel="native")`` gives every linear, RMS norm, GLU and rotary
+embedding of the model a native kernel, but the step still runs through fms's forward: ~300
+module calls and ~1,400 tensor objects (views, splits, outputs) per step, 15-20 ms of Python on
+SmolLM2's 30 layers whatever the number of tokens, on a core the kernels leave idle meanwhile.
+``NativeDecoder`` runs the same kernels in the same order as that forward (the logits and KV
+writes are the same bits) with ~10 calls per layer into buffers it keeps, and folds each
+residual add into the projection before it (``linear_add``).
+
+It covers what the native kernels compute: the fused QKV and GLU of fms's LLaMA, RMS norms with
+a scale only, plain RoPE with explicit positions, SiLU, no biases, no dropout, no per-head
+norms or sinks, head_dim 64 or 128. ``unsupported_reason`` says why another model is not
+covered; the runner then uses fms's forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from fms.models.llama import LLaMA
+from fms.modules.attention import FusedQKV, MultiHeadAttention
+
+from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativePagedAttention
+from spyre_server.model.native_elementwise import (
+    NativeGatedLinearUnit,
+    NativeRMSNorm,
+    NativeRotaryEmbedding,
+)
+from spyre_server.model.native_kernels import NativeKernels
+from spyre_server.model.native_linear import NativeLinear
+from spyre_server.model.paged_attention import AttentionPlan
+from spyre_server.model.runner import KVCaches
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """A decoder layer's weights as the kernels take them: data pointers (into tensors the
+    model holds) and the norms' epsilons."""
+
+    attn_norm: int
+    attn_eps: float
+    qkv: int
+    dense: int
+    ff_norm: int
+    ff_eps: float
+    gate_up: int
+    down: int
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _Layer:
+        ff = layer.ff_sub_layer
+        return cls(
+            layer.ln.weight.data_ptr(),
+            layer.ln.eps,
+            layer.attn.in_proj.qkv_fused.panels.data_ptr(),
+            layer.attn.dense.panels.data_ptr(),
+            layer.ff_ln.weight.data_ptr(),
+            layer.ff_ln.eps,
+            ff.wg1_fused.panels.data_ptr(),
+            ff.w2.panels.data_ptr(),
+        )
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``NativeDecoder`` cannot run ``model`` (a ``cpu_inference_copy`` with native
+    kernels), or None when it can."""
+    if not isinstance(model, LLaMA):
+        return f"{type(model).__name__} is not fms's LLaMA"
+    if model.config.p_dropout:
+        return "the model has dropout"
+    base = model.base_model
+    for norm in [base.dec_norm, *(m for layer in base.layers for m in (layer.ln, layer.ff_ln))]:
+        if type(norm) is not NativeRMSNorm:
+            return f"a norm is {type(norm).__name__}, not the native RMS norm"
+        if norm.use_mean or norm.elementwise_shift or not norm.elementwise_scale:
+            return "a norm is not a plain RMS norm with a scale"
+    for layer in base.layers:
+        attn, ff = layer.attn, layer.ff_sub_layer
+        if not isinstance(attn, MultiHeadAttention) or not isinstance(attn.in_proj, FusedQKV):
+            return "an attention is not fms's with fused QKV weights"
+        if attn.apply_norm_per_head or attn.has_sinks:
+            return "an attention has per-head norms or sinks"
+        if (
+            attn.emb_kq_per_head != attn.emb_v_per_head
+            or attn.emb_v_per_head not in SUPPORTED_HEAD_DIMS
+        ):
+            return f"head_dim {attn.emb_v_per_head} (the native attention computes 64 and 128)"
+        rope = attn.position_encoder
+        if (
+            type(rope) is not NativeRotaryEmbedding
+            or rope.rope_type == "yarn"
+            or rope.partial_rope != 1.0
+        ):
+            return "the position encoding is not plain RoPE on the native kernel"
+        if (
+            type(ff) is not NativeGatedLinearUnit
+            or not ff.fused
+            or not isinstance(ff.a, torch.nn.SiLU)
+        ):
+            return "a feed-forward is not a fused SiLU GLU on the native kernel"
+        linears = (attn.in_proj.qkv_fused, attn.dense, ff.wg1_fused, ff.w2)
+        if any(type(m) is not NativeLinear or m.bias is not None for m in linears):
+            return "a projection is not a native linear without bias"
+    return None
+
+
+class NativeDecoder:
+    """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
+    logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
+    ``paged_attention_kwargs(slot_mapping, plan, attention)`` and ``use_cache=True`` computes
+    them, writing the same KV."""
+
+    def __init__(self, model: torch.nn.Module, attention: NativePagedAttention) -> None:
+        if (reason := unsupported_reason(model)) is not None:
+            raise ValueError(f"NativeDecoder cannot run this model: {reason}")
+        assert isinstance(model, LLaMA)
+        base = model.base_model
+        self._model = model
+        self._attention = attention
+        first = base.layers[0].attn
+        self._nheads, self._kvheads = first.nheads, first.kvheads
+        self._head_dim = first.emb_kq_per_head
+        scale = first.scale_factor  # as the paged-attention op reads it
+        self._scale = scale if scale is not None else 1 / math.sqrt(self._head_dim)
+        self._rope: NativeRotaryEmbedding = first.position_encoder
+        self._layers = [_Layer.of(layer) for layer in base.layers]
+        self._kernels: NativeKernels = base.dec_norm.native_kernels
+        self._hidden = first.emb_dim
+        self._mlp = base.layers[0].ff_sub_layer.hidden_dim
+        self._buffers: tuple[torch.Tensor, ...] = ()
+
+    def _workspace(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """A step's buffers for ``num_tokens`` rows: views of buffers grown to the largest step
+        so far and kept (a fresh multi-MB tensor costs its page faults on every step)."""
+        if not self._buffers or self._buffers[0].shape[0] < num_tokens:
+            qkv_width = (self._nheads + 2 * self._kvheads) * self._head_dim
+            self._buffers = (
+                torch.empty(num_tokens, self._hidden),  # a norm's output
+                torch.empty(num_tokens, qkv_width),
+                torch.empty(num_tokens, self._nheads, self._head_dim),  # rotated queries
+                torch.empty(num_tokens, self._kvheads, self._head_dim),  # rotated keys
+                torch.empty(num_tokens, self._nheads * self._head_dim),  # attention output
+                torch.empty(num_tokens, 2 * self._mlp),
+                torch.empty(num_tokens, self._mlp),
+            )
+        return tuple(buffer[:num_tokens] for buffer in self._buffers)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: AttentionPlan,
+        kv_caches: KVCaches,
+        last_n_tokens: int,
+    ) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        tokens = batch * seq
+        k = self._kernels
+        hidden_dim, mlp_dim = self._hidden, self._mlp
+        heads, kvheads, head_dim = self._nheads, self._kvheads, self._head_dim
+        x = self._model.base_model.embedding(input_ids).reshape(tokens, hidden_dim)
+        normed, qkv, queries, keys, attended, gate_up, activated = self._workspace(tokens)
+        cos, signed_sin = self._rope._tables(x.device, position_ids)
+        qkv_width = qkv.shape[1]
+        values = qkv[:, (heads + kvheads) * head_dim :].view(tokens, kvheads, head_dim)
+        q_view = queries.view(batch, seq, heads, head_dim)
+        out_view = attended.view(batch, seq, heads, head_dim)
+        x_ptr, normed_ptr, qkv_ptr = x.data_ptr(), normed.data_ptr(), qkv.data_ptr()
+        keys_in_qkv = qkv_ptr + heads * head_dim * 4  # float32
+        cos_ptr, sin_ptr = cos.data_ptr(), signed_sin.data_ptr()
+        queries_ptr, keys_ptr, attended_ptr = (
+            queries.data_ptr(),
+            keys.data_ptr(),
+            attended.data_ptr(),
+        )
+        gate_up_ptr, activated_ptr = gate_up.data_ptr(), activated.data_ptr()
+        for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
+            # x + attention(norm(x)), as fms's LLaMABlock: QKV, RoPE, KV store, attention, dense.
+            k.rms_norm(
+                x_ptr, hidden_dim, layer.attn_norm, normed_ptr, tokens, hidden_dim, layer.attn_eps
+            )
+            k.linear(normed_ptr, layer.qkv, qkv_ptr, tokens, hidden_dim, qkv_width)
+            k.rope(qkv_ptr, qkv_width, cos_ptr, sin_ptr, queries_ptr, tokens, heads, head_dim)
+            k.rope(keys_in_qkv, qkv_width, cos_ptr, sin_ptr, keys_ptr, tokens, kvheads, head_dim)
+            key_cache.view(-1, kvheads, head_dim).index_copy_(0, slot_mapping, keys)
+            value_cache.view(-1, kvheads, head_dim).index_copy_(0, slot_mapping, values)
+            self._attention(q_view, key_cache, value_cache, plan, self._scale, out=out_view)
+            k.linear_add(attended_ptr, layer.dense, x_ptr, tokens, heads * head_dim, hidden_dim)
+            # x + GLU(norm(x)).
+            k.rms_norm(
+                x_ptr, hidden_dim, layer.ff_norm, normed_ptr, tokens, hidden_dim, layer.ff_eps
+            )
+            k.linear(normed_ptr, layer.gate_up, gate_up_ptr, tokens, hidden_dim, 2 * mlp_dim)
+            k.silu_mul(gate_up_ptr, activated_ptr, tokens, mlp_dim)
+            k.linear_add(activated_ptr, layer.down, x_ptr, tokens, mlp_dim, hidden_dim)
+        last = x.view(batch, seq, hidden_dim)[:, seq - last_n_tokens :]
+        return self._model.head(self._model.base_model.dec_norm(last))

@@ -1,0 +1,221 @@
+"""The native decoder (``native_decoder.py``): the cpu runner's steps without fms's modules.
+
+Oracles: fms's forward over the same native modules (the same kernels in the same order: the
+logits and the KV writes must be the same bits), and a plain full forward of the fms model
+(float32 rounding of the native kernels: ``LOGIT_TOL``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from fms.models import get_model
+
+from scheduler import ScheduledStep
+from spyre_server.model.cpu_backend import CpuModelRunner
+from spyre_server.model.cpu_model import cpu_decoder, cpu_inference_copy
+from spyre_server.model.native_attention import NativePagedAttention
+from spyre_server.model.native_decoder import NativeDecoder, unsupported_reason
+from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
+from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
+from spyre_server.model.runner import KVCaches, ModelRunner
+from tests.conftest import needs_native_kernels
+from tests.spyre_server.test_model_correctness import (
+    BS,
+    LOGIT_TOL,
+    Harness,
+    full_forward_logits,
+    max_abs,
+    rand_tokens,
+)
+
+pytestmark = needs_native_kernels
+
+
+@pytest.fixture(scope="module")
+def model64() -> torch.nn.Module:
+    """A micro llama with head_dim 64 (the suite's tiny llama has 48, which the native attention
+    does not compute): 4 query heads over 2 KV heads, 5 layers."""
+    torch.manual_seed(11)
+    return get_model(
+        "llama", "micro", data_type=torch.float32, nheads=4, kvheads=2, emb_dim=256
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def native64(model64: torch.nn.Module) -> torch.nn.Module:
+    return cpu_inference_copy(model64, linear_kernel="native", dtype=torch.float32)
+
+
+@pytest.fixture
+def attention() -> NativePagedAttention:
+    return NativePagedAttention(load_native_kernels(default_kernel_dir()))
+
+
+def two_families(h: Harness) -> None:
+    """Five requests in two families sharing 256-token prompts: chunked prefills with cache hits,
+    decode batches of two row groups."""
+    prefixes = [rand_tokens(256, seed=900), rand_tokens(256, seed=901)]
+    for i, suffix_len in enumerate((1, 30, 64, 100, 150)):
+        h.add(f"r{i}", prefixes[i % 2] + rand_tokens(suffix_len, seed=950 + i), 12)
+
+
+def test_every_step_is_the_fms_forward_bit_for_bit(
+    native64: torch.nn.Module, attention: NativePagedAttention
+) -> None:
+    """Each step of a run, replayed on fms's forward over the same native modules from the same
+    cache: the same logits and the same cache afterwards, bit for bit."""
+    fms_runner = CpuModelRunner(
+        native64, num_blocks=64, block_size=BS, dtype=torch.float32, attention=attention
+    )
+    kinds = set()
+
+    def same_as_fms(
+        step: ScheduledStep, before: KVCaches, logits: torch.Tensor | None, runner: ModelRunner
+    ) -> None:
+        fms_runner.kv_caches = [(k.clone(), v.clone()) for k, v in before]
+        want = fms_runner.compute_logits(step)
+        assert (logits is None) == (want is None)
+        if logits is not None:
+            assert torch.equal(logits, want)
+        for (k, v), (want_k, want_v) in zip(runner.kv_caches, fms_runner.kv_caches, strict=True):
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        plan_groups = len(_plan_of(step).groups)
+        kinds.add((type(step).__name__, plan_groups))
+
+    h = Harness(
+        native64,
+        chunk_size=128,
+        max_num_seqs=5,
+        check=same_as_fms,
+        attention=attention,
+        decoder=NativeDecoder(native64, attention),
+    )
+    two_families(h)
+    with torch.inference_mode():
+        h.run()
+    assert max(h.decode_batch_sizes()) == 5
+    assert ("DecodeBatch", 2) in kinds and ("PrefillChunk", 1) in kinds
+
+
+def _plan_of(step: ScheduledStep) -> object:
+    from scheduler import DecodeBatch
+
+    if isinstance(step, DecodeBatch):
+        return plan_attention(
+            [e.block_table for e in step.entries], [[e.position] for e in step.entries], BS
+        )
+    return plan_attention([step.block_table], [step.positions], BS)
+
+
+def test_the_steps_equal_full_forwards(
+    model64: torch.nn.Module,
+    native64: torch.nn.Module,
+    attention: NativePagedAttention,
+    one_thread: None,
+) -> None:
+    """Against the independent oracle: every logit row of every request equals a plain fms
+    forward of the row's tokens on the unconverted model."""
+    h = Harness(
+        native64,
+        chunk_size=128,
+        max_num_seqs=5,
+        attention=attention,
+        decoder=NativeDecoder(native64, attention),
+    )
+    two_families(h)
+    with torch.inference_mode():
+        h.run()
+        for trace in h.traces.values():
+            for i, row in enumerate(trace.logits):
+                want = full_forward_logits(model64, trace.prompt + trace.tokens[:i])
+                assert max_abs(row, want) <= LOGIT_TOL
+
+
+def test_every_position_of_a_chunk_as_fms_computes_it(
+    native64: torch.nn.Module, attention: NativePagedAttention
+) -> None:
+    """``last_n_tokens`` over a whole 70-token chunk (the prompt-logits path), and a single row,
+    against fms's forward with the paged-attention op, from the same empty cache."""
+    decoder = NativeDecoder(native64, attention)
+    positions = list(range(70))
+    ids = torch.tensor([rand_tokens(70, seed=5)])
+    slots = torch.arange(BS, BS + 70)  # blocks 1 and 2
+    plan = plan_attention([[1, 2]], [positions], BS)
+    runner = CpuModelRunner(native64, num_blocks=4, block_size=BS, dtype=torch.float32)
+    with torch.inference_mode():
+        for last_n in (70, 1):
+            caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
+            got = decoder(ids, torch.tensor([positions]), slots, plan, caches, last_n)
+            want_caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
+            want, _ = native64(
+                ids,
+                position_ids=torch.tensor([positions]),
+                past_key_value_states=want_caches,
+                use_cache=True,
+                last_n_tokens=last_n,
+                **paged_attention_kwargs(slots, plan, attention),
+            )
+            assert got.shape == (1, last_n, native64.config.src_vocab_size)
+            assert torch.equal(got, want)
+            for (k, v), (want_k, want_v) in zip(caches, want_caches, strict=True):
+                assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_models_it_does_not_cover_get_a_reason(
+    tiny_llama: torch.nn.Module,
+    model64: torch.nn.Module,
+    native64: torch.nn.Module,
+    attention: NativePagedAttention,
+) -> None:
+    assert unsupported_reason(native64) is None
+    tiny = cpu_inference_copy(tiny_llama, linear_kernel="native", dtype=torch.float32)
+    assert unsupported_reason(tiny) == "head_dim 48 (the native attention computes 64 and 128)"
+    onednn = cpu_inference_copy(model64, linear_kernel="onednn", dtype=torch.float32)
+    assert "not the native RMS norm" in str(unsupported_reason(onednn))
+    assert "not fms's LLaMA" in str(unsupported_reason(native64.base_model))
+    with pytest.raises(ValueError, match="head_dim 48"):
+        NativeDecoder(tiny, attention)
+
+
+def test_cpu_decoder_says_why_it_is_not_used(
+    tiny_llama: torch.nn.Module,
+    native64: torch.nn.Module,
+    attention: NativePagedAttention,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="spyre_server.model.cpu_model")
+    assert isinstance(cpu_decoder(native64, attention), NativeDecoder)
+    assert cpu_decoder(native64, None) is None
+    assert "steps through fms's forward (the attention kernel is flash)" in caplog.text
+    tiny = cpu_inference_copy(tiny_llama, linear_kernel="native", dtype=torch.float32)
+    assert cpu_decoder(tiny, attention) is None
+    assert "head_dim 48" in caplog.text
+
+
+@pytest.mark.parametrize(("attention_kernel", "uses_decoder"), [("auto", True), ("flash", False)])
+def test_the_engine_runs_on_the_decoder_where_it_can(
+    model64: torch.nn.Module, attention_kernel: str, uses_decoder: bool
+) -> None:
+    """With the native kernels (auto on this CPU) the engine's runner has the decoder."""
+    from spyre_server.config import load_config
+    from spyre_server.engine_factory import build_engine
+    from spyre_server.model.loading import LoadedModel
+    from tests.spyre_server.conftest import ENGINE_DEFAULTS, VOCAB_SIZE, ByteTokenizer
+
+    overrides = ENGINE_DEFAULTS | {"model.attention_kernel": attention_kernel}
+    loaded = LoadedModel(
+        path=Path("micro64"),
+        name="micro64",
+        model=model64,
+        tokenizer=ByteTokenizer(),
+        dtype=torch.float32,
+        eos_token_id=None,
+        vocab_size=VOCAB_SIZE,
+    )
+    engine = build_engine(load_config(environ={}, overrides=overrides), loaded)
+    assert isinstance(engine.runner, CpuModelRunner)
+    assert isinstance(engine.runner.decoder, NativeDecoder) is uses_decoder
