@@ -3,7 +3,8 @@
 # registry is reachable and only the package registries are. Usage:
 #
 #   scripts/container-host.sh up STATE_DIR     start everything; prints KEY=VALUE lines (below)
-#   scripts/container-host.sh down STATE_DIR   stop what `up` started (the images stay cached)
+#   scripts/container-host.sh down STATE_DIR   stop what `up` started (the images stay cached;
+#                                              untagged ones and build cache past 10 GB go)
 #
 # `up` needs root and Debian's docker.io and debootstrap packages (.ci/run installs them). It
 #   - starts dockerd (and its containerd) with its own socket, data and exec roots under
@@ -145,6 +146,12 @@ down)
     if "$docker_cli" version >/dev/null 2>&1; then
         containers=$("$docker_cli" ps -aq)
         [ -z "$containers" ] || "$docker_cli" rm -f $containers >/dev/null
+        # Bound what runs leave behind: every run's builds add untagged images and build cache
+        # (~2 GB per source change; 67 GB after a day of runs filled a disk). The tagged images
+        # and the newest 10 GB of cache stay, so the next run still reuses its layers.
+        "$docker_cli" image prune -f >/dev/null || log "could not remove untagged images"
+        "$docker_cli" builder prune -f --keep-storage 10GB >/dev/null ||
+            log "could not prune the build cache"
     fi
     stop_pid_file "$state/index.pid"
     # dockerd stops the containerd it started; make sure of it (by the PID it recorded).

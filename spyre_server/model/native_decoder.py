@@ -104,7 +104,18 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         linears = (attn.in_proj.qkv_fused, attn.dense, ff.wg1_fused, ff.w2)
         if any(type(m) is not NativeLinear or m.bias is not None for m in linears):
             return "a projection is not a native linear without bias"
+    # The decoder takes the shapes, the scale and the rotary embedding from the first layer.
+    shapes = {_layer_shape(layer) for layer in base.layers}
+    if len(shapes) != 1:
+        return "the layers differ in heads, sizes, scale or rotary embedding"
     return None
+
+
+def _layer_shape(layer: torch.nn.Module) -> tuple[object, ...]:
+    a = layer.attn
+    hidden_dim = layer.ff_sub_layer.hidden_dim
+    rope = id(a.position_encoder)
+    return (a.nheads, a.kvheads, a.emb_dim, a.emb_kq_per_head, a.scale_factor, rope, hidden_dim)
 
 
 class NativeDecoder:
@@ -166,11 +177,14 @@ class NativeDecoder:
         normed, qkv, queries, keys, attended, gate_up, activated = self._workspace(tokens)
         cos, signed_sin = self._rope._tables(x.device, position_ids)
         qkv_width = qkv.shape[1]
-        values = qkv[:, (heads + kvheads) * head_dim :].view(tokens, kvheads, head_dim)
+        kv_width = kvheads * head_dim
+        slots = _checked_slots(slot_mapping, tokens, kv_caches, kv_width)
         q_view = queries.view(batch, seq, heads, head_dim)
         out_view = attended.view(batch, seq, heads, head_dim)
         x_ptr, normed_ptr, qkv_ptr = x.data_ptr(), normed.data_ptr(), qkv.data_ptr()
         keys_in_qkv = qkv_ptr + heads * head_dim * 4  # float32
+        values_in_qkv = keys_in_qkv + kv_width * 4
+        slots_ptr = slots.data_ptr()
         cos_ptr, sin_ptr = cos.data_ptr(), signed_sin.data_ptr()
         queries_ptr, keys_ptr, attended_ptr = (
             queries.data_ptr(),
@@ -186,8 +200,10 @@ class NativeDecoder:
             k.linear(normed_ptr, layer.qkv, qkv_ptr, tokens, hidden_dim, qkv_width)
             k.rope(qkv_ptr, qkv_width, cos_ptr, sin_ptr, queries_ptr, tokens, heads, head_dim)
             k.rope(keys_in_qkv, qkv_width, cos_ptr, sin_ptr, keys_ptr, tokens, kvheads, head_dim)
-            key_cache.view(-1, kvheads, head_dim).index_copy_(0, slot_mapping, keys)
-            value_cache.view(-1, kvheads, head_dim).index_copy_(0, slot_mapping, values)
+            k.scatter_rows(keys_ptr, kv_width, slots_ptr, key_cache.data_ptr(), tokens, kv_width)
+            k.scatter_rows(
+                values_in_qkv, qkv_width, slots_ptr, value_cache.data_ptr(), tokens, kv_width
+            )
             self._attention(q_view, key_cache, value_cache, plan, self._scale, out=out_view)
             k.linear_add(attended_ptr, layer.dense, x_ptr, tokens, heads * head_dim, hidden_dim)
             # x + GLU(norm(x)).
@@ -199,3 +215,22 @@ class NativeDecoder:
             k.linear_add(activated_ptr, layer.down, x_ptr, tokens, mlp_dim, hidden_dim)
         last = x.view(batch, seq, hidden_dim)[:, seq - last_n_tokens :]
         return self._model.head(self._model.base_model.dec_norm(last))
+
+
+def _checked_slots(
+    slot_mapping: torch.Tensor, tokens: int, kv_caches: KVCaches, kv_width: int
+) -> torch.Tensor:
+    """The step's KV slots as the scatter kernel reads them (contiguous int64), checked against
+    the caches it writes into: every cache contiguous float32 of the same shape, every slot
+    inside it."""
+    first = kv_caches[0][0]
+    for cache in (c for pair in kv_caches for c in pair):
+        if cache.shape != first.shape or cache.dtype != torch.float32 or not cache.is_contiguous():
+            raise ValueError("the KV caches must be contiguous float32 tensors of one shape")
+    num_slots = first.numel() // kv_width
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (tokens,) or (
+        tokens and not 0 <= int(slots.min()) <= int(slots.max()) < num_slots
+    ):
+        raise ValueError(f"slot_mapping must hold {tokens} slots in 0..{num_slots - 1}")
+    return slots

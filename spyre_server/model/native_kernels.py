@@ -163,6 +163,8 @@ class NativeKernels:
     """(gate_up, out, M, H): out [M, H] = silu(gate_up[:, :H]) * gate_up[:, H:]."""
     rope: Callable[[int, int, int, int, int, int, int, int], None]
     """(x, ldx, cos, signed_sin, out, T, heads, D): rotary embedding of T tokens."""
+    scatter_rows: Callable[[int, int, int, int, int, int], None]
+    """(src, lds, slots, dst, T, N): dst row slots[t] = src row t (rows of N floats)."""
 
     def __deepcopy__(self, memo: dict[int, object]) -> NativeKernels:
         return self  # functions of the one loaded library (ctypes objects cannot be copied)
@@ -199,6 +201,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_silu_mul_f32.restype = None
     lib.spyre_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_rope_f32.restype = None
+    lib.spyre_scatter_rows_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64]
+    lib.spyre_scatter_rows_f32.restype = None
     return NativeKernels(
         path=path,
         packed_numel=lib.spyre_linear_f32_packed_numel,
@@ -210,6 +214,7 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         rms_norm=lib.spyre_rms_norm_f32,
         silu_mul=lib.spyre_silu_mul_f32,
         rope=lib.spyre_rope_f32,
+        scatter_rows=lib.spyre_scatter_rows_f32,
     )
 
 

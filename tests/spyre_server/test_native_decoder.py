@@ -177,6 +177,11 @@ def test_models_it_does_not_cover_get_a_reason(
     onednn = cpu_inference_copy(model64, linear_kernel="onednn", dtype=torch.float32)
     assert "not the native RMS norm" in str(unsupported_reason(onednn))
     assert "not fms's LLaMA" in str(unsupported_reason(native64.base_model))
+    uneven = cpu_inference_copy(model64, linear_kernel="native", dtype=torch.float32)
+    uneven.base_model.layers[1].attn.scale_factor = 0.5  # the decoder reads the first layer's
+    assert (
+        unsupported_reason(uneven) == "the layers differ in heads, sizes, scale or rotary embedding"
+    )
     with pytest.raises(ValueError, match="head_dim 48"):
         NativeDecoder(tiny, attention)
 
@@ -219,3 +224,20 @@ def test_the_engine_runs_on_the_decoder_where_it_can(
     engine = build_engine(load_config(environ={}, overrides=overrides), loaded)
     assert isinstance(engine.runner, CpuModelRunner)
     assert isinstance(engine.runner.decoder, NativeDecoder) is uses_decoder
+
+
+def test_slots_outside_the_cache_are_refused_before_any_write(
+    native64: torch.nn.Module, attention: NativePagedAttention
+) -> None:
+    """The KV scatter writes through raw pointers: a bad slot must be an error, not a write past
+    the cache."""
+    decoder = NativeDecoder(native64, attention)
+    runner = CpuModelRunner(native64, num_blocks=4, block_size=BS, dtype=torch.float32)
+    ids = torch.tensor([[1, 2]])
+    plan = plan_attention([[1]], [[0, 1]], BS)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for slots in ([BS, 4 * BS], [-1, BS], [BS]):
+        with pytest.raises(ValueError, match=r"slot_mapping must hold 2 slots in 0\.\.255"):
+            decoder(ids, torch.tensor([[0, 1]]), torch.tensor(slots), plan, runner.kv_caches, 1)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

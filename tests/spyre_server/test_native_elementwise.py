@@ -182,3 +182,22 @@ def test_silu_of_the_kernel_is_silu() -> None:
     want = F.silu(gate.double())
     assert torch.isfinite(out).all()
     assert max_abs(out, want) < TOL * 200
+
+
+@pytest.mark.parametrize("rows", [1, 3, 200])  # 200 x 192 floats: split over the threads
+def test_scatter_writes_each_row_to_its_slot_and_nothing_else(rows: int) -> None:
+    """The native decoder's KV store: strided source rows (values inside the fused QKV output)
+    into their slots of a cache viewed as [num_slots][N]."""
+    lib = kernels()
+    torch.manual_seed(rows)
+    width, num_slots = 192, 512
+    source = torch.randn(rows, 3 * width)[:, width : 2 * width]  # row stride 3 * width
+    slots = torch.randperm(num_slots)[:rows]
+    cache = torch.full((num_slots, width), float("nan"))
+    lib.scatter_rows(
+        source.data_ptr(), source.stride(0), slots.data_ptr(), cache.data_ptr(), rows, width
+    )
+    assert torch.equal(cache[slots], source)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert cache[untouched].isnan().all()

@@ -1,5 +1,6 @@
 // float32 element-wise ops of a decoder layer for the cpu backend: RMS norm, SiLU-and-multiply
-// and rotary position embedding, each one pass over its rows.
+// and rotary position embedding, each one pass over its rows; and the scatter of a step's new
+// keys and values into their cache slots.
 //
 // Each replaces several aten ops (torch's CPU rms_norm is a pow, a mean, an add, an rsqrt and two
 // products; fms's GLU is a split, a silu and a product; RoPE is a flip and three products), and
@@ -9,6 +10,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "avx2_math.h"
 
@@ -91,6 +93,14 @@ void spyre_rope_f32(const float* x, int64_t ldx, const float* cos, const float* 
             }
         }
     }
+}
+
+// dst[slots[t]] = src[t] for T rows of N floats: src rows at stride lds, dst contiguous rows of
+// N (the KV cache as [num_slots][N]). A step's new keys or values, written into their cache slots.
+void spyre_scatter_rows_f32(const float* src, int64_t lds, const int64_t* slots, float* dst,
+                            int64_t T, int64_t N) {
+    #pragma omp parallel for schedule(static) if (T * N >= kParallelFloats)
+    for (int64_t t = 0; t < T; t++) memcpy(dst + slots[t] * N, src + t * lds, N * sizeof(float));
 }
 
 }  // extern "C"
