@@ -19,6 +19,19 @@ from spyre_server.model.paged_attention import AttentionPlan, RowGroup
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
+def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
+    """Raises ValueError unless the caches are what the kernels read and write through raw
+    pointers: contiguous float32 block tensors of one shape, ``head_dim`` floats per head."""
+    for cache in (key_cache, value_cache):
+        if cache.dtype != torch.float32 or not cache.is_contiguous():
+            raise ValueError("the KV caches must be contiguous float32 block tensors")
+        if cache.shape[-1] != head_dim or cache.shape != key_cache.shape:
+            raise ValueError(
+                f"cache shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)} do "
+                f"not fit queries with head_dim {head_dim}"
+            )
+
+
 class NativePagedAttention:
     def __init__(self, kernels: NativeKernels) -> None:
         self._kernels = kernels
@@ -43,14 +56,7 @@ class NativePagedAttention:
                 f"NativePagedAttention takes float32 with head_dim 64 or 128, not "
                 f"{query.dtype} with {head_dim}"
             )
-        for cache in (key_cache, value_cache):
-            if cache.dtype != torch.float32 or not cache.is_contiguous():
-                raise ValueError("the KV caches must be contiguous float32 block tensors")
-            if cache.shape[-1] != head_dim or cache.shape != key_cache.shape:
-                raise ValueError(
-                    f"cache shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)} do "
-                    f"not fit queries with head_dim {head_dim}"
-                )
+        check_caches(key_cache, value_cache, head_dim)
         query = query.contiguous()
         if out is None:
             out = torch.empty_like(query)

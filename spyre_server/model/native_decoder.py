@@ -23,7 +23,11 @@ import torch
 from fms.models.llama import LLaMA
 from fms.modules.attention import FusedQKV, MultiHeadAttention
 
-from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativePagedAttention
+from spyre_server.model.native_attention import (
+    SUPPORTED_HEAD_DIMS,
+    NativePagedAttention,
+    check_caches,
+)
 from spyre_server.model.native_elementwise import (
     NativeGatedLinearUnit,
     NativeRMSNorm,
@@ -178,7 +182,7 @@ class NativeDecoder:
         cos, signed_sin = self._rope._tables(x.device, position_ids)
         qkv_width = qkv.shape[1]
         kv_width = kvheads * head_dim
-        slots = _checked_slots(slot_mapping, tokens, kv_caches, kv_width)
+        slots = _checked_slots(slot_mapping, tokens, kv_caches, kvheads, head_dim)
         q_view = queries.view(batch, seq, heads, head_dim)
         out_view = attended.view(batch, seq, heads, head_dim)
         x_ptr, normed_ptr, qkv_ptr = x.data_ptr(), normed.data_ptr(), qkv.data_ptr()
@@ -218,16 +222,17 @@ class NativeDecoder:
 
 
 def _checked_slots(
-    slot_mapping: torch.Tensor, tokens: int, kv_caches: KVCaches, kv_width: int
+    slot_mapping: torch.Tensor, tokens: int, kv_caches: KVCaches, kvheads: int, head_dim: int
 ) -> torch.Tensor:
     """The step's KV slots as the scatter kernel reads them (contiguous int64), checked against
-    the caches it writes into: every cache contiguous float32 of the same shape, every slot
-    inside it."""
+    the caches it writes into: every layer's caches as ``check_caches`` wants them, of the first
+    layer's shape with ``kvheads`` heads, every slot inside them."""
     first = kv_caches[0][0]
-    for cache in (c for pair in kv_caches for c in pair):
-        if cache.shape != first.shape or cache.dtype != torch.float32 or not cache.is_contiguous():
-            raise ValueError("the KV caches must be contiguous float32 tensors of one shape")
-    num_slots = first.numel() // kv_width
+    for key_cache, value_cache in kv_caches:
+        check_caches(key_cache, value_cache, head_dim)
+        if key_cache.shape != first.shape or first.shape[-2] != kvheads:
+            raise ValueError(f"the KV caches must be of one shape with {kvheads} heads")
+    num_slots = first.numel() // (kvheads * head_dim)
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (tokens,) or (
         tokens and not 0 <= int(slots.min()) <= int(slots.max()) < num_slots

@@ -241,3 +241,25 @@ def test_slots_outside_the_cache_are_refused_before_any_write(
             decoder(ids, torch.tensor([[0, 1]]), torch.tensor(slots), plan, runner.kv_caches, 1)
     for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_caches_the_scatter_cannot_write_are_refused(
+    native64: torch.nn.Module, attention: NativePagedAttention
+) -> None:
+    """One layer's caches of another shape, or not float32: an error before any write."""
+    decoder = NativeDecoder(native64, attention)
+    runner = CpuModelRunner(native64, num_blocks=4, block_size=BS, dtype=torch.float32)
+    ids, positions, slots = torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([BS])
+    plan = plan_attention([[1]], [[0]], BS)
+    key_cache, value_cache = runner.kv_caches[2]
+    for bad, match in (
+        ((key_cache[:2], value_cache[:2]), "of one shape with 2 heads"),
+        ((key_cache.double(), value_cache.double()), "contiguous float32"),
+    ):
+        caches = list(runner.kv_caches)
+        caches[2] = bad
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        with pytest.raises(ValueError, match=match):
+            decoder(ids, positions, slots, plan, caches, 1)
+        for (k, v), (k0, v0) in zip(caches, before, strict=True):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
