@@ -11,9 +11,10 @@
 //   decode step with 3 KV heads is 3 tasks for 2 threads, with the keys read per head;
 // - each sequence's own blocks, causal: one task per (sequence, head, 48 rows), a tile's rows
 //   that the mask hides it from wholly skipped.
-// Per tile of 48 keys and head: the keys are transposed into [head_dim][48] (8 x 8 AVX
-// transposes), scores = q . k^T by the 4 x 24 register block of linear_f32.cpp, then exp, then
-// o += p . v with 3 rows x 32 dims in registers.
+// Per tile of 48 keys, its key and value rows are first read in order (touch_rows); then per
+// head the keys are transposed into [head_dim][48] (8 x 8 AVX transposes), scores = q . k^T by
+// the 4 x 24 register block of linear_f32.cpp, then exp, then o += p . v with 3 rows x 32 dims
+// in registers.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -176,6 +177,22 @@ inline void locate_tile(const Context& ctx, int64_t t0, int64_t nk, Work<D>& w) 
     }
 }
 
+// Reads the floats [off, off + count) of the tile's key and value rows ([0, nk)) in order, one
+// load per cache line, before the compute uses them. The compute reads a head's slice of each
+// row a transposed column or a value row at a time, which leaves most of a decode step's cache
+// misses serial; these loads are independent and in address order, so many are in flight and
+// the hardware prefetcher follows them. Software prefetches did not help (RESULTS.md pass 15).
+inline void touch_rows(const float* const* krows, const float* const* vrows, int64_t nk,
+                       int64_t off, int64_t count) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nk; j++)
+        for (int64_t c = off; c < off + count; c += 16) {
+            acc = _mm256_add_ps(acc, _mm256_loadu_ps(krows[j] + c));
+            acc = _mm256_add_ps(acc, _mm256_loadu_ps(vrows[j] + c));
+        }
+    __asm__ __volatile__("" : : "x"(acc));  // the loads are kept: their value is "used"
+}
+
 // Rows [0, R) of head h (q: [R][D]) against the tile of nk keys (nk <= kTile) locate_tile put
 // in w; row i sees only the keys before limits[i] - t0 of the tile (limits nullptr: all of
 // them). The rows' online-softmax states are o [R][D], m [R], l [R].
@@ -254,6 +271,7 @@ void shared_part(const float* qs, int64_t H, int64_t R, const Context& ctx, int6
         for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
             const int64_t nk = k1 - t0 < kTile ? k1 - t0 : kTile;
             locate_tile<D>(ctx, t0, nk, w);
+            touch_rows(w.krows, w.vrows, nk, 0, ctx.ldk);  // every head's: the rows are contiguous
             for (int64_t h = 0; h < H; h++) {
                 float* o = states + (h * splits + sp) * state;
                 attend_tile<D>(qs + h * R * D, R, h, t0, nk, nullptr, scale, o, o + R * D,
@@ -337,6 +355,7 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
                 int64_t first = 0;  // rows the mask hides the whole tile from come first
                 while (limits[first] <= t0) first++;
                 locate_tile<D>(ctx, t0, nk, w);
+                touch_rows(w.krows, w.vrows, nk, h * D, D);
                 attend_tile<D>(qrows + first * D, rows - first, h, t0, nk, limits + first, scale,
                                o + first * D, m + first, l + first, w);
             }
