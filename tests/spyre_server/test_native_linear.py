@@ -94,13 +94,26 @@ def test_the_kernel_writes_exactly_its_outputs() -> None:
     assert canvas[rows * out_features :].isnan().all()
 
 
-@pytest.mark.parametrize(("rows", "out_features"), [(1, 7), (3, 24), (5, 25), (8, 576), (17, 49)])
-def test_linear_add_is_the_linear_then_an_add_bit_for_bit(rows: int, out_features: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [
+        (1, 7, 33),
+        (3, 24, 33),
+        (5, 25, 33),
+        (8, 576, 33),
+        (17, 49, 33),
+        (13, 30, 200),
+        (15, 49, 129),
+    ],
+)
+def test_linear_add_is_the_linear_then_an_add_bit_for_bit(
+    rows: int, out_features: int, in_features: int
+) -> None:
     """The residual epilogue (the native decoder's x += dense(attention)): every row block, a
-    partial last panel, the packed rows from 16 on; and nothing written past the outputs."""
+    partial last panel, the packed rows from 16 on, a decode step's rows over several chunks of
+    k (the add only after the last); and nothing written past the outputs."""
     torch.manual_seed(rows + out_features)
     kernels = load_native_kernels(default_kernel_dir())
-    in_features = 33
     weight = torch.randn(out_features, in_features)
     panels = torch.empty(kernels.packed_numel(out_features, in_features))
     kernels.pack(weight.data_ptr(), panels.data_ptr(), out_features, in_features)
@@ -125,10 +138,10 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
     torch.manual_seed(1)
     linear = torch.nn.Linear(576, 960, bias=False)
     native = NativeLinear(linear, load_native_kernels(default_kernel_dir()))
-    x = torch.randn(9, 576)
+    x = torch.randn(15, 576)  # 5-15 rows go over k in chunks, 1-4 in one pass
     with torch.inference_mode():
         batch = native(x)
-        for i in (0, 4, 8):
+        for i in (0, 4, 8, 12, 14):
             assert torch.equal(native(x[i : i + 1])[0], batch[i])
             assert torch.equal(native(x[i : i + 3])[0], batch[i])
 

@@ -10,7 +10,8 @@
 //
 // From 16 rows on (prefill), x's 4-row blocks are first packed k-major, so the 4 broadcasts of a
 // k step read one stream instead of 4 rows K apart: 3% off a 64- or 256-token step's time
-// (in-process A/B, RESULTS.md pass 10); the sums run in the same order either way.
+// (in-process A/B, RESULTS.md pass 10); the sums run in the same order either way. A decode
+// step's 5-15 rows go over the panels in chunks of k, every row block per chunk (decode_rows).
 //
 // Threads: an OpenMP loop over blocks of 3 panels, in the OpenMP runtime torch already loaded
 // (libgomp.so.1 by soname), so this runs on torch's own thread pool and thread count.
@@ -28,21 +29,32 @@ constexpr int kRowsPerBlock = 4;
 
 // y[0..MB)[0..NB*8) = x[0..MB)[0..K) . panels[0..NB) (+ y's own values with kAdd: the sum
 // rounded once more, the same bits as a separate add); the last panel stores only last_cols.
-// x_stride / x_step: x[i][k] at x + i * x_stride + k * x_step (rows as given: K, 1; a packed
-// 4-row block: 1, 4).
-template <int MB, int NB, bool kAdd>
-inline void block(const float* __restrict x, int64_t x_stride, int64_t x_step, int64_t K,
-                  const float* __restrict panels, float* __restrict y, int64_t ldy,
-                  int64_t last_cols) {
+// x[i][k] at x + i * K + k (rows as given), or with kPackedX at x + k * 4 + i (a packed 4-row
+// block; a compile-time stride: 0.93-0.96x at 64-256 rows against a runtime one, RESULTS.md
+// pass 15). A sum over k in chunks (kc of the panels' K rows per call) carries partial sums
+// [MB][NB * 8] from chunk to chunk: kResume starts from them instead of 0, kSuspend stores them
+// instead of writing y; stored and loaded exactly, so the bits equal one pass.
+template <int MB, int NB, bool kAdd, bool kPackedX = false, bool kResume = false,
+          bool kSuspend = false>
+inline void block(const float* __restrict x, int64_t K, const float* __restrict panels,
+                  float* __restrict y, int64_t ldy, int64_t last_cols, int64_t kc = 0,
+                  float* __restrict partial = nullptr) {
+    if (!kResume && !kSuspend) kc = K;
     __m256 acc[MB][NB];
-    UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
+    UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NB; j++)
+        acc[i][j] = kResume ? _mm256_load_ps(partial + (i * NB + j) * kPanel) : _mm256_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
         __m256 w[NB];
         UNROLL for (int j = 0; j < NB; j++) w[j] = _mm256_load_ps(panels + (j * K + k) * kPanel);
         UNROLL for (int i = 0; i < MB; i++) {
-            const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + k * x_step);
+            const __m256 xv = _mm256_broadcast_ss(kPackedX ? x + k * kRowsPerBlock + i : x + i * K + k);
             UNROLL for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
         }
+    }
+    if (kSuspend) {
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NB; j++)
+            _mm256_store_ps(partial + (i * NB + j) * kPanel, acc[i][j]);
+        return;
     }
     UNROLL for (int i = 0; i < MB; i++) {
         UNROLL for (int j = 0; j < NB - 1; j++) {
@@ -61,27 +73,70 @@ inline void block(const float* __restrict x, int64_t x_stride, int64_t x_step, i
     }
 }
 
+constexpr int64_t kPackRows = 16;  // from this many rows on, x's row blocks are packed
+constexpr int64_t kDecodeChunk = 64;  // k values per pass over a decode step's row blocks
+
+// MB rows' chunk [k0, k0 + kc) of the sums (rows as given).
+template <int MB, int NB, bool kAdd>
+inline void chunk(const float* x, int64_t K, const float* panels, float* y, int64_t N,
+                  int64_t last_cols, int64_t k0, int64_t kc, float* partial) {
+    const bool resume = k0 > 0, suspend = k0 + kc < K;
+    x += k0;
+    panels += k0 * kPanel;
+    if (!resume && suspend)
+        block<MB, NB, kAdd, false, false, true>(x, K, panels, y, N, last_cols, kc, partial);
+    else if (resume && suspend)
+        block<MB, NB, kAdd, false, true, true>(x, K, panels, y, N, last_cols, kc, partial);
+    else if (resume)
+        block<MB, NB, kAdd, false, true, false>(x, K, panels, y, N, last_cols, kc, partial);
+    else
+        block<MB, NB, kAdd>(x, K, panels, y, N, last_cols);
+}
+
+// A decode step's rows (5 to kPackRows - 1): all row blocks' sums over one chunk of k before the
+// next chunk, so the panels are read from memory once, in order, and the other row blocks find
+// each chunk in L1 (a pass per row block over all of K read them again from L2, with the
+// prefetcher idle meanwhile): 0.88-0.92x at 6-8 rows (RESULTS.md pass 15).
+template <int NB, bool kAdd>
+inline void decode_rows(const float* x, const float* panels, float* y, int64_t M, int64_t K,
+                        int64_t N, int64_t last_cols) {
+    alignas(32) float partial[kPackRows / kRowsPerBlock][kRowsPerBlock * NB * kPanel];
+    for (int64_t k0 = 0; k0 < K; k0 += kDecodeChunk) {
+        const int64_t kc = K - k0 < kDecodeChunk ? K - k0 : kDecodeChunk;
+        int64_t m = 0;
+        for (; m + kRowsPerBlock <= M; m += kRowsPerBlock)
+            chunk<kRowsPerBlock, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols, k0, kc,
+                                           partial[m / kRowsPerBlock]);
+        float* rest = partial[m / kRowsPerBlock];
+        switch (M - m) {
+            case 3: chunk<3, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols, k0, kc, rest); break;
+            case 2: chunk<2, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols, k0, kc, rest); break;
+            case 1: chunk<1, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols, k0, kc, rest); break;
+            default: break;
+        }
+    }
+}
+
 // xp: nullptr, or x's full 4-row blocks packed k-major ([M / 4][K][4]).
 template <int NB, bool kAdd>
 inline void column_block(const float* x, const float* xp, const float* panels, float* y,
                          int64_t M, int64_t K, int64_t N, int64_t last_cols) {
+    if (xp == nullptr && M > kRowsPerBlock)
+        return decode_rows<NB, kAdd>(x, panels, y, M, K, N, last_cols);
     int64_t m = 0;
     for (; m + kRowsPerBlock <= M; m += kRowsPerBlock) {
         if (xp != nullptr)
-            block<kRowsPerBlock, NB, kAdd>(xp + m * K, 1, kRowsPerBlock, K, panels, y + m * N, N,
-                                     last_cols);
+            block<kRowsPerBlock, NB, kAdd, true>(xp + m * K, K, panels, y + m * N, N, last_cols);
         else
-            block<kRowsPerBlock, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols);
+            block<kRowsPerBlock, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols);
     }
     switch (M - m) {
-        case 3: block<3, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
-        case 2: block<2, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
-        case 1: block<1, NB, kAdd>(x + m * K, K, 1, K, panels, y + m * N, N, last_cols); break;
+        case 3: block<3, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols); break;
+        case 2: block<2, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols); break;
+        case 1: block<1, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols); break;
         default: break;
     }
 }
-
-constexpr int64_t kPackRows = 16;  // from this many rows on, x's row blocks are packed
 
 // x's full 4-row blocks, k-major ([M / 4][K][4]), in the calling thread's buffer (kept and
 // grown; a decode step's few rows are not packed).
