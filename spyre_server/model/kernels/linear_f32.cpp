@@ -30,16 +30,16 @@ constexpr int kRowsPerBlock = 4;
 // y[0..MB)[0..NB*8) = x[0..MB)[0..K) . panels[0..NB) (+ y's own values with kAdd: the sum
 // rounded once more, the same bits as a separate add); the last panel stores only last_cols.
 // x[i][k] at x + i * K + k (rows as given), or with kPackedX at x + k * 4 + i (a packed 4-row
-// block; a compile-time stride: 0.93-0.96x at 64-256 rows against a runtime one, RESULTS.md
-// pass 15). A sum over k in chunks (kc of the panels' K rows per call) carries partial sums
-// [MB][NB * 8] from chunk to chunk: kResume starts from them instead of 0, kSuspend stores them
-// instead of writing y; stored and loaded exactly, so the bits equal one pass.
+// block; a compile-time stride: 0.92-0.96x at 64-256 rows against a runtime one, RESULTS.md
+// pass 15). The sum runs over the first kc of the panels' K rows (kc = K: all of them); a sum
+// over k in chunks carries partial sums [MB][NB * 8] from chunk to chunk: kResume starts from
+// them instead of 0, kSuspend stores them instead of writing y; stored and loaded exactly, so
+// the bits equal one pass.
 template <int MB, int NB, bool kAdd, bool kPackedX = false, bool kResume = false,
           bool kSuspend = false>
-inline void block(const float* __restrict x, int64_t K, const float* __restrict panels,
-                  float* __restrict y, int64_t ldy, int64_t last_cols, int64_t kc = 0,
-                  float* __restrict partial = nullptr) {
-    if (!kResume && !kSuspend) kc = K;
+inline void block(const float* __restrict x, int64_t K, int64_t kc,
+                  const float* __restrict panels, float* __restrict y, int64_t ldy,
+                  int64_t last_cols, float* __restrict partial = nullptr) {
     __m256 acc[MB][NB];
     UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NB; j++)
         acc[i][j] = kResume ? _mm256_load_ps(partial + (i * NB + j) * kPanel) : _mm256_setzero_ps();
@@ -84,19 +84,19 @@ inline void chunk(const float* x, int64_t K, const float* panels, float* y, int6
     x += k0;
     panels += k0 * kPanel;
     if (!resume && suspend)
-        block<MB, NB, kAdd, false, false, true>(x, K, panels, y, N, last_cols, kc, partial);
+        block<MB, NB, kAdd, false, false, true>(x, K, kc, panels, y, N, last_cols, partial);
     else if (resume && suspend)
-        block<MB, NB, kAdd, false, true, true>(x, K, panels, y, N, last_cols, kc, partial);
+        block<MB, NB, kAdd, false, true, true>(x, K, kc, panels, y, N, last_cols, partial);
     else if (resume)
-        block<MB, NB, kAdd, false, true, false>(x, K, panels, y, N, last_cols, kc, partial);
+        block<MB, NB, kAdd, false, true, false>(x, K, kc, panels, y, N, last_cols, partial);
     else
-        block<MB, NB, kAdd>(x, K, panels, y, N, last_cols);
+        block<MB, NB, kAdd>(x, K, kc, panels, y, N, last_cols);
 }
 
 // A decode step's rows (5 to kPackRows - 1): all row blocks' sums over one chunk of k before the
 // next chunk, so the panels are read from memory once, in order, and the other row blocks find
 // each chunk in L1 (a pass per row block over all of K read them again from L2, with the
-// prefetcher idle meanwhile): 0.88-0.92x at 6-8 rows (RESULTS.md pass 15).
+// prefetcher idle meanwhile): 0.89-0.96x at 6-8 rows (RESULTS.md pass 15).
 template <int NB, bool kAdd>
 inline void decode_rows(const float* x, const float* panels, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t last_cols) {
@@ -126,14 +126,14 @@ inline void column_block(const float* x, const float* xp, const float* panels, f
     int64_t m = 0;
     for (; m + kRowsPerBlock <= M; m += kRowsPerBlock) {
         if (xp != nullptr)
-            block<kRowsPerBlock, NB, kAdd, true>(xp + m * K, K, panels, y + m * N, N, last_cols);
+            block<kRowsPerBlock, NB, kAdd, true>(xp + m * K, K, K, panels, y + m * N, N, last_cols);
         else
-            block<kRowsPerBlock, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols);
+            block<kRowsPerBlock, NB, kAdd>(x + m * K, K, K, panels, y + m * N, N, last_cols);
     }
     switch (M - m) {
-        case 3: block<3, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols); break;
-        case 2: block<2, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols); break;
-        case 1: block<1, NB, kAdd>(x + m * K, K, panels, y + m * N, N, last_cols); break;
+        case 3: block<3, NB, kAdd>(x + m * K, K, K, panels, y + m * N, N, last_cols); break;
+        case 2: block<2, NB, kAdd>(x + m * K, K, K, panels, y + m * N, N, last_cols); break;
+        case 1: block<1, NB, kAdd>(x + m * K, K, K, panels, y + m * N, N, last_cols); break;
         default: break;
     }
 }
