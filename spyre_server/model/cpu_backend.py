@@ -7,17 +7,25 @@ since attention reads the cached copy through the block table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from scheduler import DecodeBatch, PrefillChunk, PrefillCompute
-from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.paged_attention import (
     AttentionPlan,
     PagedAttentionKernel,
     paged_attention_kwargs,
     plan_attention,
 )
-from spyre_server.model.runner import ModelRunner
+from spyre_server.model.runner import KVCaches, ModelRunner
+
+StepDecoder = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, KVCaches, int], torch.Tensor
+]
+"""``(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens) -> logits``: a
+whole step, as the model's forward with our paged-attention op computes it
+(``cpu_model.cpu_decoder``: ``NativeDecoder`` or ``AtenDecoder``)."""
 
 
 class CpuModelRunner(ModelRunner):
@@ -32,7 +40,7 @@ class CpuModelRunner(ModelRunner):
         block_size: int,
         dtype: torch.dtype,
         attention: PagedAttentionKernel | None = None,
-        decoder: NativeDecoder | None = None,
+        decoder: StepDecoder | None = None,
     ) -> None:
         """``attention``: the kernel for the paged-attention op's compute (None: SDPA's flash
         kernel on gathered blocks). ``decoder``: runs the steps instead of the model's forward

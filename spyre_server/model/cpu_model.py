@@ -15,8 +15,9 @@ buffer with it (only the module objects are new), then, on the copy only:
   (``resolve_linear_kernel``).
 
 ``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
-(``model.attention_kernel``), and ``cpu_decoder`` its native step (``native_decoder.py``) when
-both kernels are native.
+(``model.attention_kernel``), and ``cpu_decoder`` its step without fms's module machinery: the
+native one (``native_decoder.py``) when both kernels are native, else the aten one
+(``aten_decoder.py``).
 
 The loaded model is left as it was (tests share one model between engines and oracles). Drop it
 to free the unpacked linear weights.
@@ -32,10 +33,17 @@ from typing import Literal
 
 import torch
 
+from spyre_server.model.aten_decoder import AtenDecoder
+from spyre_server.model.aten_decoder import unsupported_reason as aten_unsupported_reason
 from spyre_server.model.fast_norm import use_fast_rms_norm
 from spyre_server.model.fast_rope import use_fast_rope
-from spyre_server.model.native_attention import SUPPORTED_HEAD_DIMS, NativePagedAttention
-from spyre_server.model.native_decoder import NativeDecoder, unsupported_reason
+from spyre_server.model.native_attention import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    NativePagedAttention,
+)
+from spyre_server.model.native_decoder import NativeDecoder
+from spyre_server.model.native_decoder import unsupported_reason as native_unsupported_reason
 from spyre_server.model.native_elementwise import use_native_elementwise
 from spyre_server.model.native_kernels import (
     NativeKernelError,
@@ -74,17 +82,22 @@ AttentionKernel = Literal["auto", "native", "flash"]
 
 def resolve_attention_kernel(
     requested: AttentionKernel, dtype: torch.dtype, head_dim: int
-) -> Literal["native", "flash"]:
-    """The kernel ``model.attention_kernel`` stands for; raises LinearKernelError for ``native``
-    where it cannot compute (a dtype other than float32, a head_dim other than 64 and 128)."""
-    supported = dtype == torch.float32 and head_dim in SUPPORTED_HEAD_DIMS
+) -> Literal["native", "flash", "mixed"]:
+    """The kernel ``model.attention_kernel`` stands for (``mixed``: native for decode steps,
+    flash for prefill chunks); raises LinearKernelError for ``native`` where it cannot compute
+    (a dtype other than float32 and bfloat16, a head_dim other than 64 and 128)."""
+    supported = dtype in SUPPORTED_DTYPES and head_dim in SUPPORTED_HEAD_DIMS
     if requested == "auto":
-        return "native" if supported and unsupported_cpu_reason() is None else "flash"
+        if not supported or unsupported_cpu_reason() is not None:
+            return "flash"
+        # In bfloat16, SDPA's flash kernel multiplies the chunks' queries and keys natively
+        # (AMX, AVX512-BF16), ours in float32: flash is faster at prefill, ours at decode.
+        return "native" if dtype == torch.float32 else "mixed"
     if requested == "native" and not supported:
         raise LinearKernelError(
-            f"model.attention_kernel 'native' computes float32 with head_dim 64 or 128, and the "
-            f"model runs {dtype} with head_dim {head_dim}; set model.attention_kernel: flash "
-            "(or auto)"
+            f"model.attention_kernel 'native' computes float32 or bfloat16 with head_dim 64 or "
+            f"128, and the model runs {dtype} with head_dim {head_dim}; set "
+            "model.attention_kernel: flash (or auto)"
         )
     return requested
 
@@ -98,25 +111,43 @@ def cpu_attention_kernel(
 ) -> NativePagedAttention | None:
     """The cpu runner's kernel for the paged-attention op: ours, or None for SDPA's flash
     kernel; raises LinearKernelError where ours cannot run here."""
-    if resolve_attention_kernel(attention_kernel, dtype, head_dim) == "flash":
+    resolved = resolve_attention_kernel(attention_kernel, dtype, head_dim)
+    if resolved == "flash":
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
+    if resolved == "mixed":
+        logger.info(
+            "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks (%s)",
+            attention_kernel,
+        )
+        return NativePagedAttention(_native_kernels(kernel_dir), prefill=False)
     logger.info("cpu kernels: attention_kernel native (%s)", attention_kernel)
     return NativePagedAttention(_native_kernels(kernel_dir))
 
 
 def cpu_decoder(
     model: torch.nn.Module, attention: NativePagedAttention | None
-) -> NativeDecoder | None:
-    """The runner's native step for ``model`` (a ``cpu_inference_copy``) with ``attention``, or
-    None (logged with the reason) where it does not cover them: fms's forward runs the steps."""
-    reason = "the attention kernel is flash" if attention is None else unsupported_reason(model)
-    if reason is not None:
-        logger.info("cpu kernels: steps through fms's forward (%s)", reason)
-        return None
-    assert attention is not None
-    logger.info("cpu kernels: steps on the native decoder")
-    return NativeDecoder(model, attention)
+) -> NativeDecoder | AtenDecoder | None:
+    """The runner's step for ``model`` (a ``cpu_inference_copy``) with ``attention``: the native
+    decoder where it covers them, else the aten decoder where that covers them, else None (logged
+    with the reasons): fms's forward runs the steps."""
+    native_reason = (
+        "the attention kernel is flash" if attention is None else native_unsupported_reason(model)
+    )
+    if native_reason is None:
+        assert attention is not None
+        logger.info("cpu kernels: steps on the native decoder")
+        return NativeDecoder(model, attention)
+    aten_reason = aten_unsupported_reason(model)
+    if aten_reason is None:
+        logger.info("cpu kernels: steps on the aten decoder (not native: %s)", native_reason)
+        return AtenDecoder(model, attention)
+    logger.info(
+        "cpu kernels: steps through fms's forward (not native: %s; not aten: %s)",
+        native_reason,
+        aten_reason,
+    )
+    return None
 
 
 def _native_kernels(kernel_dir: Path | None) -> NativeKernels:
@@ -153,6 +184,10 @@ def cpu_inference_copy(
         num_replaced = pack_linears(clone)
     else:
         num_replaced = 0
+    if kernel != "native" and dtype == torch.bfloat16 and unsupported_cpu_reason() is None:
+        # No native linear computes bfloat16, but the element-wise kernels do.
+        use_native_elementwise(clone, _native_kernels(kernel_dir))
+        logger.info("cpu kernels: bfloat16 RMS norms, GLU activations and RoPE native")
     logger.info(
         "cpu kernels: linear_kernel %s (%s): %d linear layers packed; %d rotary embeddings and "
         "%d RMS norms on the fast path",

@@ -1,12 +1,12 @@
-"""The paged-attention op's compute on our own kernel (``kernels/attention_f32.cpp``).
+"""The paged-attention op's compute on our own kernel (``kernels/attention.cpp``).
 
 ``NativePagedAttention`` computes each row group of the step's plan in one call per layer: its
 shared blocks (read once for every row, the keys split into one range per thread over every KV
 head, where flash splits by heads and query blocks: 3 tasks for 2 threads at a SmolLM2 decode
 step) and each row's own blocks (causal), read in place from the cache through the block ids,
 merged through their log-sum-exps and written in fms's layout. The flash path gathers blocks
-that are not consecutive into copies and merges in aten ops. float32, head_dim 64 or 128,
-x86-64 with AVX2 and FMA.
+that are not consecutive into copies and merges in aten ops. float32 or bfloat16 (computed in
+float32, the output rounded once), head_dim 64 or 128, x86-64 with AVX2 and FMA.
 """
 
 from __future__ import annotations
@@ -14,17 +14,23 @@ from __future__ import annotations
 import torch
 
 from spyre_server.model.native_kernels import NativeKernels
-from spyre_server.model.paged_attention import AttentionPlan, RowGroup
+from spyre_server.model.paged_attention import AttentionPlan, RowGroup, flash_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
+def check_caches(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Raises ValueError unless the caches are what the kernels read and write through raw
-    pointers: contiguous float32 block tensors of one shape, ``head_dim`` floats per head."""
+    pointers: contiguous ``dtype`` block tensors of one shape, ``head_dim`` values per head."""
     for cache in (key_cache, value_cache):
-        if cache.dtype != torch.float32 or not cache.is_contiguous():
-            raise ValueError("the KV caches must be contiguous float32 block tensors")
+        if cache.dtype != dtype or not cache.is_contiguous():
+            raise ValueError(f"the KV caches must be contiguous {_name(dtype)} block tensors")
         if cache.shape[-1] != head_dim or cache.shape != key_cache.shape:
             raise ValueError(
                 f"cache shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)} do "
@@ -32,9 +38,17 @@ def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: i
             )
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class NativePagedAttention:
-    def __init__(self, kernels: NativeKernels) -> None:
+    def __init__(self, kernels: NativeKernels, *, prefill: bool = True) -> None:
+        """``prefill`` False: queries of more than one position (prefill chunks) go to SDPA's
+        flash kernel instead (``model.attention_kernel: auto`` in bfloat16, where flash
+        multiplies bfloat16 natively and this kernel in float32: RESULTS.md measures both)."""
         self._kernels = kernels
+        self.prefill = prefill
         self._scratch = torch.empty(0)
         """Grown to the largest call so far and kept: 30 calls per step."""
 
@@ -48,20 +62,24 @@ class NativePagedAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query`` ``[batch, num_queries, nheads, head_dim]``; the caches ``[num_blocks,
-        block_size, kvheads, head_dim]`` -> the attention output, ``query``'s shape, float32:
-        written into ``out`` when given (contiguous, ``query``'s shape), else a new tensor."""
+        block_size, kvheads, head_dim]``, of ``query``'s dtype -> the attention output,
+        ``query``'s shape and dtype: written into ``out`` when given (contiguous), else a new
+        tensor."""
         head_dim = query.shape[-1]
-        if query.dtype != torch.float32 or head_dim not in SUPPORTED_HEAD_DIMS:
+        if query.dtype not in SUPPORTED_DTYPES or head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
-                f"NativePagedAttention takes float32 with head_dim 64 or 128, not "
+                f"NativePagedAttention takes float32 or bfloat16 with head_dim 64 or 128, not "
                 f"{query.dtype} with {head_dim}"
             )
-        check_caches(key_cache, value_cache, head_dim)
+        check_caches(key_cache, value_cache, head_dim, query.dtype)
+        if not self.prefill and query.shape[1] > 1:
+            attended = flash_attention(query, key_cache, value_cache, plan, scale)
+            return attended if out is None else out.copy_(attended)
         query = query.contiguous()
         if out is None:
             out = torch.empty_like(query)
-        elif out.shape != query.shape or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous float32 {tuple(query.shape)}")
+        elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous {_name(query.dtype)} {tuple(query.shape)}")
         if len(plan.groups) == 1 and plan.groups[0].rows is None:
             self._group(query, key_cache, value_cache, plan.groups[0], scale, out)
             return out
@@ -98,7 +116,12 @@ class NativePagedAttention:
         numel = self._kernels.paged_attention_scratch_numel(head_dim, kvheads, rows, threads)
         if self._scratch.numel() < numel:
             self._scratch = torch.empty(numel)
-        status = self._kernels.paged_attention(
+        kernel = (
+            self._kernels.paged_attention
+            if query.dtype == torch.float32
+            else self._kernels.paged_attention_bf16
+        )
+        status = kernel(
             head_dim,
             query.data_ptr(),
             key_cache.data_ptr(),

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from fms.models.llama import LLaMA
-from fms.modules.attention import FusedQKV, MultiHeadAttention
 
+from spyre_server.model.aten_decoder import unsupported_reason as aten_unsupported_reason
 from spyre_server.model.native_attention import (
     SUPPORTED_HEAD_DIMS,
     NativePagedAttention,
@@ -70,11 +70,10 @@ class _Layer:
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``NativeDecoder`` cannot run ``model`` (a ``cpu_inference_copy`` with native
-    kernels), or None when it can."""
-    if not isinstance(model, LLaMA):
-        return f"{type(model).__name__} is not fms's LLaMA"
-    if model.config.p_dropout:
-        return "the model has dropout"
+    kernels), or None when it can: what the aten decoder needs, every part on its native
+    kernel, and what those compute."""
+    if (reason := aten_unsupported_reason(model)) is not None:
+        return reason
     base = model.base_model
     for norm in [base.dec_norm, *(m for layer in base.layers for m in (layer.ln, layer.ff_ln))]:
         if type(norm) is not NativeRMSNorm:
@@ -83,21 +82,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return "a norm is not a plain RMS norm with a scale"
     for layer in base.layers:
         attn, ff = layer.attn, layer.ff_sub_layer
-        if not isinstance(attn, MultiHeadAttention) or not isinstance(attn.in_proj, FusedQKV):
-            return "an attention is not fms's with fused QKV weights"
-        if attn.apply_norm_per_head or attn.has_sinks:
-            return "an attention has per-head norms or sinks"
-        if (
-            attn.emb_kq_per_head != attn.emb_v_per_head
-            or attn.emb_v_per_head not in SUPPORTED_HEAD_DIMS
-        ):
+        if attn.emb_v_per_head not in SUPPORTED_HEAD_DIMS:
             return f"head_dim {attn.emb_v_per_head} (the native attention computes 64 and 128)"
-        rope = attn.position_encoder
-        if (
-            type(rope) is not NativeRotaryEmbedding
-            or rope.rope_type == "yarn"
-            or rope.partial_rope != 1.0
-        ):
+        if type(attn.position_encoder) is not NativeRotaryEmbedding:
             return "the position encoding is not plain RoPE on the native kernel"
         if (
             type(ff) is not NativeGatedLinearUnit
@@ -108,18 +95,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         linears = (attn.in_proj.qkv_fused, attn.dense, ff.wg1_fused, ff.w2)
         if any(type(m) is not NativeLinear or m.bias is not None for m in linears):
             return "a projection is not a native linear without bias"
-    # The decoder takes the shapes, the scale and the rotary embedding from the first layer.
-    shapes = {_layer_shape(layer) for layer in base.layers}
-    if len(shapes) != 1:
-        return "the layers differ in heads, sizes, scale or rotary embedding"
     return None
-
-
-def _layer_shape(layer: torch.nn.Module) -> tuple[object, ...]:
-    a = layer.attn
-    hidden_dim = layer.ff_sub_layer.hidden_dim
-    rope = id(a.position_encoder)
-    return (a.nheads, a.kvheads, a.emb_dim, a.emb_kq_per_head, a.scale_factor, rope, hidden_dim)
 
 
 class NativeDecoder:

@@ -1,16 +1,19 @@
-"""The cpu backend's float32 RMS norms, GLU activations and rotary embeddings on our own kernels
-(``kernels/elementwise_f32.cpp``).
+"""The cpu backend's float32 and bfloat16 RMS norms, GLU activations and rotary embeddings on our
+own kernels (``kernels/elementwise_f32.cpp``, ``kernels/elementwise_bf16.cpp``).
 
 A decode step runs ~60 of each; through aten each is several ops (torch's CPU ``rms_norm`` alone
-is seven), and every op costs microseconds whatever its size. Here each is one call. The
-results match fms's to float32 rounding (the norm's sum of squares and the SiLU's exp run in
-another order and precision); anything the kernels do not cover (another dtype, a norm with a
-mean or a shift, another activation, dropout while training) goes through the fast or fms code
-it replaces.
+is seven, and in bfloat16 fms adds an upcast, a downcast and the weight's product), and every op
+costs microseconds whatever its size. Here each is one call. The results match fms's to float32
+rounding (the norm's sum of squares and the SiLU's exp run in another order and precision; in
+bfloat16 the kernels round where fms's ops round, so a value differs at most where that float32
+rounding moves it across a bfloat16 rounding boundary); anything the kernels do not cover
+(another dtype, a norm with a mean or a shift or a low-precision pow, another activation,
+dropout while training) goes through the fast or fms code it replaces.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,13 +27,28 @@ from spyre_server.model.native_kernels import NativeKernels
 class NativeRMSNorm(FastRMSNorm):
     native_kernels: NativeKernels
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype != torch.bfloat16
+            or self.weight.dtype != torch.bfloat16
+            or not self.use_high_precision_pow
+            or self.use_mean
+            or self.elementwise_shift
+            or not self.elementwise_scale
+        ):
+            return super().forward(x)
+        return self._native_norm(x, self.native_kernels.rms_norm_bf16)
+
     def _float32_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._native_norm(x, self.native_kernels.rms_norm)
+
+    def _native_norm(self, x: torch.Tensor, kernel: Callable[..., None]) -> torch.Tensor:
         width = x.shape[-1]
         rows = x.reshape(-1, width)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape)
-        self.native_kernels.rms_norm(
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        kernel(
             rows.data_ptr(),
             rows.stride(0),
             self.weight.data_ptr(),
@@ -46,19 +64,19 @@ class NativeGatedLinearUnit(GatedLinearUnit):
     native_kernels: NativeKernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.native_kernels
+        kernel = {torch.float32: k.silu_mul, torch.bfloat16: k.silu_mul_bf16}.get(x.dtype)
         if (
-            not self.fused
-            or x.dtype != torch.float32
+            kernel is None
+            or not self.fused
             or not isinstance(self.a, torch.nn.SiLU)
             or (self.p_dropout and self.training)
         ):
             return super().forward(x)
         gate_up = self.wg1_fused(x)
         rows = gate_up.reshape(-1, 2 * self.hidden_dim).contiguous()
-        hidden = torch.empty(rows.shape[0], self.hidden_dim)
-        self.native_kernels.silu_mul(
-            rows.data_ptr(), hidden.data_ptr(), rows.shape[0], self.hidden_dim
-        )
+        hidden = torch.empty(rows.shape[0], self.hidden_dim, dtype=x.dtype)
+        kernel(rows.data_ptr(), hidden.data_ptr(), rows.shape[0], self.hidden_dim)
         return self.w2(hidden.view(*x.shape[:-1], self.hidden_dim))
 
 
@@ -69,12 +87,14 @@ class NativeRotaryEmbedding(FastRotaryEmbedding):
         """``x`` ``[batch, seq, heads, head_dim]`` (each head's floats contiguous, as the views
         of fms's fused QKV output are) rotated into a new contiguous tensor."""
         batch, seq, heads, head_dim = x.shape
-        if x.dtype != torch.float32 or head_dim % 8:
+        k = self.native_kernels
+        kernel = {torch.float32: k.rope, torch.bfloat16: k.rope_bf16}.get(x.dtype)
+        if kernel is None or head_dim % 8:
             return super()._rotate(x, cos, signed_sin)
         if x.stride(3) != 1 or x.stride(2) != head_dim or x.stride(0) != seq * x.stride(1):
             x = x.contiguous()
-        out = torch.empty(x.shape)
-        self.native_kernels.rope(
+        out = torch.empty(x.shape, dtype=x.dtype)
+        kernel(
             x.data_ptr(),
             x.stride(1),
             cos.data_ptr(),

@@ -31,10 +31,11 @@ from pathlib import Path
 KERNELS = Path(__file__).resolve().parent / "kernels"
 SOURCES = (
     KERNELS / "linear_f32.cpp",
-    KERNELS / "attention_f32.cpp",
+    KERNELS / "attention.cpp",
     KERNELS / "elementwise_f32.cpp",
+    KERNELS / "elementwise_bf16.cpp",
 )
-HEADERS = (KERNELS / "avx2_math.h",)
+HEADERS = (KERNELS / "avx2_math.h", KERNELS / "bf16_avx2.h")
 """Included by the sources: hashed into the library's name with them."""
 FLAGS = (
     "-std=c++17",
@@ -156,7 +157,9 @@ class NativeKernels:
     paged_attention: Callable[..., int]
     """(head_dim, q, k_cache, v_cache, block_size, H, G, n, nq, shared_blocks, num_shared,
     own_blocks, num_own, positions, scale, threads, scratch, out) -> 0, or 1 for a head_dim
-    other than 64 and 128: see ``kernels/attention_f32.cpp``."""
+    other than 64 and 128: see ``kernels/attention.cpp``."""
+    paged_attention_bf16: Callable[..., int]
+    """``paged_attention`` with bfloat16 queries, caches and output (float32 scratch)."""
     rms_norm: Callable[[int, int, int, int, int, int, float], None]
     """(x, ldx, weight, out, M, N, eps): see ``kernels/elementwise_f32.cpp``."""
     silu_mul: Callable[[int, int, int, int], None]
@@ -165,6 +168,13 @@ class NativeKernels:
     """(x, ldx, cos, signed_sin, out, T, heads, D): rotary embedding of T tokens."""
     scatter_rows: Callable[[int, int, int, int, int, int], None]
     """(src, lds, slots, dst, T, N): dst row slots[t] = src row t (rows of N floats)."""
+    rms_norm_bf16: Callable[[int, int, int, int, int, int, float], None]
+    """``rms_norm`` for bfloat16 ``x``, ``weight`` and ``out``: see
+    ``kernels/elementwise_bf16.cpp``."""
+    silu_mul_bf16: Callable[[int, int, int, int], None]
+    """``silu_mul`` for bfloat16 (rounding where fms's GLU rounds)."""
+    rope_bf16: Callable[[int, int, int, int, int, int, int, int], None]
+    """``rope`` for bfloat16 ``x`` and ``out`` (float32 tables)."""
 
     def __deepcopy__(self, memo: dict[int, object]) -> NativeKernels:
         return self  # functions of the one loaded library (ctypes objects cannot be copied)
@@ -195,6 +205,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_paged_attention_f32.argtypes += [ptr, i64, ptr, i64, ptr, ctypes.c_float, i64]
     lib.spyre_paged_attention_f32.argtypes += [ptr, ptr]
     lib.spyre_paged_attention_f32.restype = ctypes.c_int
+    lib.spyre_paged_attention_bf16.argtypes = lib.spyre_paged_attention_f32.argtypes
+    lib.spyre_paged_attention_bf16.restype = ctypes.c_int
     lib.spyre_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
     lib.spyre_rms_norm_f32.restype = None
     lib.spyre_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -203,6 +215,12 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_rope_f32.restype = None
     lib.spyre_scatter_rows_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64]
     lib.spyre_scatter_rows_f32.restype = None
+    lib.spyre_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.spyre_rms_norm_bf16.restype = None
+    lib.spyre_silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.spyre_silu_mul_bf16.restype = None
+    lib.spyre_rope_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.spyre_rope_bf16.restype = None
     return NativeKernels(
         path=path,
         packed_numel=lib.spyre_linear_f32_packed_numel,
@@ -211,10 +229,14 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         linear_add=lib.spyre_linear_add_f32,
         paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
         paged_attention=lib.spyre_paged_attention_f32,
+        paged_attention_bf16=lib.spyre_paged_attention_bf16,
         rms_norm=lib.spyre_rms_norm_f32,
         silu_mul=lib.spyre_silu_mul_f32,
         rope=lib.spyre_rope_f32,
         scatter_rows=lib.spyre_scatter_rows_f32,
+        rms_norm_bf16=lib.spyre_rms_norm_bf16,
+        silu_mul_bf16=lib.spyre_silu_mul_bf16,
+        rope_bf16=lib.spyre_rope_bf16,
     )
 
 

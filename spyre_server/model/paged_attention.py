@@ -222,11 +222,26 @@ def _compute(
 ) -> torch.Tensor:
     """``query``: ``[batch, num_queries, nheads, head_dim]`` -> the same shape."""
     plan: AttentionPlan = kwargs["plan"]
-    batch, num_queries, _, head_dim = query.shape
     kernel: PagedAttentionKernel | None = kwargs.get("attention_kernel")
     if kernel is not None:
+        head_dim = query.shape[-1]
         scale = scale_factor if scale_factor is not None else 1 / math.sqrt(head_dim)
         return kernel(query, key_cache, value_cache, plan, scale)
+    return flash_attention(query, key_cache, value_cache, plan, scale_factor)
+
+
+def flash_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale_factor: float | None,
+) -> torch.Tensor:
+    """The op's compute with SDPA's flash kernel: ``query`` ``[batch, num_queries, nheads,
+    head_dim]`` over the caches as ``plan`` says -> the same shape (``scale_factor`` None:
+    ``1 / sqrt(head_dim)``)."""
+    batch, num_queries, nheads, head_dim = query.shape
+    kvheads = key_cache.shape[2]
     group = nheads // kvheads
     # [batch, kvheads, num_queries * group, head_dim]: the query heads of one KV head as rows.
     q = query.view(batch, num_queries, kvheads, group, head_dim).transpose(1, 2)
@@ -244,6 +259,36 @@ def _compute(
     # [batch, kvheads, num_queries, group, head_dim] -> [batch, num_queries, nheads, head_dim]
     out = out.view(batch, kvheads, num_queries, group, head_dim).transpose(1, 2)
     return out.reshape(batch, num_queries, nheads, head_dim)
+
+
+def store_and_attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    plan: AttentionPlan,
+    scale_factor: float | None,
+    kernel: PagedAttentionKernel | None = None,
+) -> torch.Tensor:
+    """What fms's attention calls of the op in one layer: store ``keys`` and ``values``
+    (``[batch, num_queries, kvheads, head_dim]``) at ``slot_mapping``, then attend ``queries``
+    (``[batch, num_queries, nheads, head_dim]``) over the caches as ``plan`` says, with
+    ``kernel`` (None: SDPA's flash kernel)."""
+    _store(keys, values, key_cache, value_cache, slot_mapping=slot_mapping)
+    nheads, kvheads = queries.shape[2], keys.shape[2]
+    return _compute(
+        queries,
+        key_cache,
+        value_cache,
+        nheads,
+        kvheads,
+        0.0,
+        scale_factor,
+        plan=plan,
+        attention_kernel=kernel,
+    )
 
 
 def _attend(

@@ -30,8 +30,7 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from spyre_server.model.cpu_backend import CpuModelRunner
-from spyre_server.model.native_decoder import NativeDecoder
+from spyre_server.model.cpu_backend import CpuModelRunner, StepDecoder
 from spyre_server.model.paged_attention import PagedAttentionKernel
 from spyre_server.model.runner import ModelRunner
 
@@ -113,7 +112,8 @@ class Harness:
         enable_prefix_caching: bool = True,
         check: StepCheck | None = None,
         attention: PagedAttentionKernel | None = None,
-        decoder: NativeDecoder | None = None,
+        decoder: StepDecoder | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.sched = Scheduler(
             SchedulerConfig(
@@ -129,7 +129,7 @@ class Harness:
             model,
             num_blocks=num_blocks,
             block_size=BS,
-            dtype=torch.float32,
+            dtype=dtype,
             attention=attention,
             decoder=decoder,
         )

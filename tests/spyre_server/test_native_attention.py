@@ -3,7 +3,10 @@
 Oracles: softmax attention in float64 over each query's causal context (the kernel alone and the
 paged-attention op), and a plain full forward of fms (the steps of a model run through it).
 Tolerances: float32 attention over at most a few hundred keys agrees with float64 to ~1e-6;
-2e-5 leaves room for the polynomial exp (relative error ~1e-7) summed over the keys.
+2e-5 leaves room for the polynomial exp (relative error ~1e-7) summed over the keys. In bfloat16
+the kernel computes in float32 on the (exact) widened inputs and rounds its output once: the
+float64 oracle over the same bfloat16 inputs, within half a bfloat16 step (2**-8 relative) on
+top.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ def run_kernel(
     group: RowGroup,
     threads: int,
 ) -> torch.Tensor:
-    """The kernel called directly, with ``threads`` key ranges and tasks' scratch areas."""
+    """The kernel called directly (float32 or bfloat16, as the query), with ``threads`` key
+    ranges and tasks' scratch areas."""
     lib = kernels()
+    kernel = lib.paged_attention if query.dtype == torch.float32 else lib.paged_attention_bf16
     batch, num_queries, nheads, head_dim = query.shape
     _, block_size, kvheads, _ = key_cache.shape
     rows = batch * num_queries * (nheads // kvheads)
@@ -56,7 +61,7 @@ def run_kernel(
         (lib.paged_attention_scratch_numel(head_dim, kvheads, rows, threads),), math.nan
     )
     out = torch.full_like(query, math.nan)
-    status = lib.paged_attention(
+    status = kernel(
         head_dim, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_size,
         kvheads, nheads // kvheads, batch, num_queries, group.shared_blocks.data_ptr(),
         group.shared_blocks.numel(), group.own_blocks.data_ptr(), group.num_own_blocks,
@@ -93,10 +98,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
 @pytest.mark.parametrize(("block_size", "shared", "own", "num_queries", "offset"), CASES)
 def test_kernel_matches_float64_attention(
+    dtype: torch.dtype,
     head_dim: int,
     kvheads: int,
     group: int,
@@ -120,17 +127,22 @@ def test_kernel_matches_float64_attention(
             first = shared * block_size + offset
             positions.append(list(range(first, first + num_queries)))
             assert positions[-1][-1] < len(table) * block_size
-    key_cache = torch.randn(64, block_size, kvheads, head_dim)
-    value_cache = torch.randn(64, block_size, kvheads, head_dim)
-    query = torch.randn(len(tables), len(positions[0]), kvheads * group, head_dim)
+    key_cache = torch.randn(64, block_size, kvheads, head_dim).to(dtype)
+    value_cache = torch.randn(64, block_size, kvheads, head_dim).to(dtype)
+    query = torch.randn(len(tables), len(positions[0]), kvheads * group, head_dim).to(dtype)
     plan = plan_attention(tables, positions, block_size)
     assert len(plan.groups) == 1
     if len(tables) > 1:
         assert plan.groups[0].shared_blocks.numel() == shared
-    want = naive_attention(query, key_cache, value_cache, tables, positions)
+    want = naive_attention(
+        query.double(), key_cache.double(), value_cache.double(), tables, positions
+    )
+    rounding = 0.0 if dtype == torch.float32 else 2.0**-8  # the output's one rounding
     for threads in (1, 2, 5):
         got = run_kernel(query, key_cache, value_cache, plan.groups[0], threads)
-        assert max_abs(got, want) < TOL, threads
+        assert got.dtype == dtype
+        error = (got.double() - want).abs() - rounding * want.abs()
+        assert float(error.max()) < TOL, threads
 
 
 def test_the_kernel_refuses_other_head_dims() -> None:
@@ -148,10 +160,12 @@ def test_the_wrapper_checks_its_input() -> None:
     query = torch.randn(1, 1, 4, 64)
     want = naive_attention(query, cache, cache, [[1, 2, 3]], [[150]])
     assert max_abs(attend(query, cache, cache, plan, 0.125), want) < TOL
-    with pytest.raises(ValueError, match="float32 with head_dim 64 or 128"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 with head_dim 64 or 128"):
         attend(query.double(), cache, cache, plan, 0.125)
     with pytest.raises(ValueError, match="contiguous float32 block tensors"):
         attend(query, cache.transpose(0, 1), cache, plan, 0.125)
+    with pytest.raises(ValueError, match="contiguous bfloat16 block tensors"):
+        attend(query.bfloat16(), cache, cache, plan, 0.125)  # caches of another dtype
     with pytest.raises(ValueError, match="reads block 7 of a cache of 6"):
         attend(query, cache, cache, plan_attention([[1, 7]], [[100]], BS), 0.125)
     with pytest.raises(ValueError, match="cannot attend"):
@@ -236,19 +250,24 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
     assert resolve_attention_kernel("auto", torch.float32, 64) == "native"
     assert resolve_attention_kernel("auto", torch.float32, 128) == "native"
     assert resolve_attention_kernel("auto", torch.float32, 48) == "flash"
-    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "flash"
+    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "mixed"
+    assert resolve_attention_kernel("native", torch.bfloat16, 64) == "native"
     assert resolve_attention_kernel("flash", torch.float32, 64) == "flash"
     with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*head_dim 48"):
         resolve_attention_kernel("native", torch.float32, 48)
-    with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*bfloat16"):
-        resolve_attention_kernel("native", torch.bfloat16, 64)
+    with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*float16"):
+        resolve_attention_kernel("native", torch.float16, 64)
     monkeypatch.setattr(cpu_model, "unsupported_cpu_reason", lambda: "this CPU lacks avx2")
     assert resolve_attention_kernel("auto", torch.float32, 64) == "flash"
 
 
 def test_the_runner_gets_our_kernel_or_none() -> None:
     native = cpu_attention_kernel("auto", dtype=torch.float32, head_dim=64)
-    assert isinstance(native, NativePagedAttention)
+    assert isinstance(native, NativePagedAttention) and native.prefill
+    mixed = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
+    assert isinstance(mixed, NativePagedAttention) and not mixed.prefill
+    native = cpu_attention_kernel("native", dtype=torch.bfloat16, head_dim=64)
+    assert isinstance(native, NativePagedAttention) and native.prefill
     assert cpu_attention_kernel("auto", dtype=torch.float32, head_dim=48) is None
     assert cpu_attention_kernel("flash", dtype=torch.float32, head_dim=64) is None
 
@@ -259,3 +278,45 @@ def test_native_attention_on_a_head_dim_it_cannot_compute_fails_at_start(
     """The micro model has head_dim 48."""
     with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*head_dim 48"):
         make_engine(model__attention_kernel="native")  # type: ignore[operator]
+
+
+def test_without_prefill_chunks_go_to_flash_and_decode_steps_to_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``model.attention_kernel: auto`` in bfloat16: a prefill chunk's queries through SDPA's
+    flash kernel (our kernel never called), a decode batch's through ours (flash never called),
+    both equal to attention in float64 over the same bfloat16 values."""
+    torch.manual_seed(4)
+    nheads, kvheads, head_dim = 6, 2, 64
+    key_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
+    value_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
+    mixed = NativePagedAttention(kernels(), prefill=False)
+    ours, flash = [], []
+    group_call, flash_call = mixed._group, paged_attention._flash_attention
+
+    def counted_group(*args: Any) -> None:
+        ours.append(1)
+        group_call(*args)
+
+    def counted_flash(*args: Any, **kwargs: Any) -> Any:
+        flash.append(1)
+        return flash_call(*args, **kwargs)
+
+    monkeypatch.setattr(mixed, "_group", counted_group)
+    monkeypatch.setattr(paged_attention, "_flash_attention", counted_flash)
+    for tables, positions, by_ours in (
+        ([[7, 8, 9]], [list(range(130, 160))], False),  # a prefill chunk of 30 queries
+        ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[250], [200], [130]], True),  # decode
+    ):
+        ours.clear()
+        flash.clear()
+        query = torch.randn(len(tables), len(positions[0]), nheads, head_dim).bfloat16()
+        got = mixed(query, key_cache, value_cache, plan_attention(tables, positions, BS), 0.125)
+        want = naive_attention(
+            query.double(), key_cache.double(), value_cache.double(), tables, positions
+        )
+        assert got.dtype == torch.bfloat16
+        # ours rounds once; flash rounds inside too (test_paged_attention's bfloat16 tolerance)
+        tolerance = 2.0**-8 * float(want.abs().max()) + TOL if by_ours else 2e-2
+        assert max_abs(got, want) < tolerance
+        assert (bool(ours), bool(flash)) == (by_ours, not by_ours)

@@ -20,13 +20,18 @@ from spyre_server.model.cpu_model import cpu_decoder, cpu_inference_copy
 from spyre_server.model.native_attention import NativePagedAttention
 from spyre_server.model.native_decoder import NativeDecoder, unsupported_reason
 from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
-from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
+from spyre_server.model.paged_attention import (
+    AttentionPlan,
+    paged_attention_kwargs,
+    plan_attention,
+)
 from spyre_server.model.runner import KVCaches, ModelRunner
 from tests.conftest import needs_native_kernels
 from tests.spyre_server.test_model_correctness import (
     BS,
     LOGIT_TOL,
     Harness,
+    StepCheck,
     full_forward_logits,
     max_abs,
     rand_tokens,
@@ -63,15 +68,10 @@ def two_families(h: Harness) -> None:
         h.add(f"r{i}", prefixes[i % 2] + rand_tokens(suffix_len, seed=950 + i), 12)
 
 
-def test_every_step_is_the_fms_forward_bit_for_bit(
-    native64: torch.nn.Module, attention: NativePagedAttention
-) -> None:
-    """Each step of a run, replayed on fms's forward over the same native modules from the same
-    cache: the same logits and the same cache afterwards, bit for bit."""
-    fms_runner = CpuModelRunner(
-        native64, num_blocks=64, block_size=BS, dtype=torch.float32, attention=attention
-    )
-    kinds = set()
+def replayed_on_fms(fms_runner: CpuModelRunner, kinds: set[tuple[str, int]]) -> StepCheck:
+    """A step check: the step replayed on ``fms_runner`` (fms's forward) from the cache as it
+    was before the step must give the same logits and leave the same cache, bit for bit; each
+    step's kind and number of row groups go into ``kinds``."""
 
     def same_as_fms(
         step: ScheduledStep, before: KVCaches, logits: torch.Tensor | None, runner: ModelRunner
@@ -80,17 +80,28 @@ def test_every_step_is_the_fms_forward_bit_for_bit(
         want = fms_runner.compute_logits(step)
         assert (logits is None) == (want is None)
         if logits is not None:
-            assert torch.equal(logits, want)
+            assert logits.dtype == want.dtype and torch.equal(logits, want)
         for (k, v), (want_k, want_v) in zip(runner.kv_caches, fms_runner.kv_caches, strict=True):
             assert torch.equal(k, want_k) and torch.equal(v, want_v)
-        plan_groups = len(_plan_of(step).groups)
-        kinds.add((type(step).__name__, plan_groups))
+        kinds.add((type(step).__name__, len(_plan_of(step).groups)))
 
+    return same_as_fms
+
+
+def test_every_step_is_the_fms_forward_bit_for_bit(
+    native64: torch.nn.Module, attention: NativePagedAttention
+) -> None:
+    """Each step of a run, replayed on fms's forward over the same native modules from the same
+    cache: the same logits and the same cache afterwards, bit for bit."""
+    fms_runner = CpuModelRunner(
+        native64, num_blocks=64, block_size=BS, dtype=torch.float32, attention=attention
+    )
+    kinds: set[tuple[str, int]] = set()
     h = Harness(
         native64,
         chunk_size=128,
         max_num_seqs=5,
-        check=same_as_fms,
+        check=replayed_on_fms(fms_runner, kinds),
         attention=attention,
         decoder=NativeDecoder(native64, attention),
     )
@@ -101,7 +112,7 @@ def test_every_step_is_the_fms_forward_bit_for_bit(
     assert ("DecodeBatch", 2) in kinds and ("PrefillChunk", 1) in kinds
 
 
-def _plan_of(step: ScheduledStep) -> object:
+def _plan_of(step: ScheduledStep) -> AttentionPlan:
     from scheduler import DecodeBatch
 
     if isinstance(step, DecodeBatch):
@@ -194,10 +205,10 @@ def test_cpu_decoder_says_why_it_is_not_used(
 ) -> None:
     caplog.set_level(logging.INFO, logger="spyre_server.model.cpu_model")
     assert isinstance(cpu_decoder(native64, attention), NativeDecoder)
-    assert cpu_decoder(native64, None) is None
-    assert "steps through fms's forward (the attention kernel is flash)" in caplog.text
+    assert not isinstance(cpu_decoder(native64, None), NativeDecoder)
+    assert "(not native: the attention kernel is flash)" in caplog.text
     tiny = cpu_inference_copy(tiny_llama, linear_kernel="native", dtype=torch.float32)
-    assert cpu_decoder(tiny, attention) is None
+    assert not isinstance(cpu_decoder(tiny, attention), NativeDecoder)
     assert "head_dim 48" in caplog.text
 
 

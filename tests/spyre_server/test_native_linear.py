@@ -201,8 +201,8 @@ def test_a_failed_compile_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-Werror=no-such-flag"))
     with pytest.raises(
         NativeKernelError,
-        match=r"compiling the native kernels \(linear_f32\.cpp, attention_f32\.cpp, "
-        r"elementwise_f32\.cpp\).*failed.*onednn",
+        match=r"compiling the native kernels \(linear_f32\.cpp, attention\.cpp, "
+        r"elementwise_f32\.cpp, elementwise_bf16\.cpp\).*failed.*onednn",
     ):
         build(tmp_path)
     assert not any(tmp_path.iterdir())

@@ -1,6 +1,8 @@
-// float32 paged attention for the cpu backend: the queries of one row group of the paged-attention
-// op (paged_attention.py) against their context, read in place from the KV cache through block
-// tables, written straight into fms's output layout.
+// Paged attention for the cpu backend: the queries of one row group of the paged-attention op
+// (paged_attention.py) against their context, read in place from the KV cache through block
+// tables, written straight into fms's output layout. Queries, caches and output are float32 or
+// bfloat16 (a model in bfloat16); the compute is float32 either way (bfloat16 values are widened
+// as they are loaded, the output rounded once at the end).
 //
 // Two parts, merged exactly through their log-sum-exps:
 // - the shared blocks (keys wholly before every query, no mask, read once for every row): the
@@ -21,6 +23,7 @@
 #include <stdint.h>
 
 #include "avx2_math.h"
+#include "bf16_avx2.h"
 
 #define UNROLL _Pragma("GCC unroll 16")
 
@@ -30,14 +33,27 @@ using spyre_avx2::exp_clamped;
 using spyre_avx2::hmax;
 using spyre_avx2::hsum;
 
+// The element types of queries, caches and output: float, or uint16_t holding bfloat16.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return spyre_bf16::load8(p); }
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) { return spyre_bf16::widen(x); }
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline uint16_t from_float<uint16_t>(float x) { return spyre_bf16::round_bf16(x); }
+
 constexpr int64_t kTile = 48;  // keys per tile: two 24-key column blocks
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 // dst[0..8)[0..8) (row stride ldd, 32-byte aligned) = the transpose of rows[0..8)[d..d+8).
-inline void transpose8(const float* const* rows, int64_t d, float* dst, int64_t ldd) {
+template <typename T>
+inline void transpose8(const T* const* rows, int64_t d, float* dst, int64_t ldd) {
     __m256 r[8], t[8], u[8];
-    UNROLL for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows[i] + d);
+    UNROLL for (int i = 0; i < 8; i++) r[i] = load8(rows[i] + d);
     UNROLL for (int i = 0; i < 4; i++) {
         t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -76,8 +92,8 @@ inline void scores(const float* __restrict q, const float* __restrict kt, float*
 }
 
 // o[MB][D] += p[MB][0..nk) . v[0..nk)[D] (value k at vrows[k] + hoff)
-template <int64_t D, int MB>
-inline void weighted_values(const float* __restrict p, const float* const* vrows, int64_t hoff,
+template <int64_t D, int MB, typename T>
+inline void weighted_values(const float* __restrict p, const T* const* vrows, int64_t hoff,
                             int64_t nk, float* __restrict o) {
     UNROLL for (int64_t h = 0; h < D / 32; h++) {
         __m256 acc[MB][4];
@@ -85,11 +101,11 @@ inline void weighted_values(const float* __restrict p, const float* const* vrows
             acc[i][j] = _mm256_load_ps(o + i * D + h * 32 + j * 8);
         for (int64_t k = 0; k < nk; k++) {
             // 12 accumulators + MB broadcasts + one value vector: 16 registers, none spilled.
-            const float* vr = vrows[k] + hoff + h * 32;
+            const T* vr = vrows[k] + hoff + h * 32;
             __m256 x[MB];
             UNROLL for (int i = 0; i < MB; i++) x[i] = _mm256_broadcast_ss(p + i * kTile + k);
             UNROLL for (int j = 0; j < 4; j++) {
-                const __m256 w = _mm256_loadu_ps(vr + j * 8);
+                const __m256 w = load8(vr + j * 8);
                 UNROLL for (int i = 0; i < MB; i++) acc[i][j] = _mm256_fmadd_ps(x[i], w, acc[i][j]);
             }
         }
@@ -144,30 +160,31 @@ inline void softmax_tile(float* s, int64_t nk, float scale, float* m, float* l, 
 
 // Where a context's keys and values live in the cache [num_blocks][bs][H][D]: the context's key
 // j of head h at (blocks[j / bs] * bs + j % bs) * ldk + h * D.
+template <typename T>
 struct Context {
-    const float* k;
-    const float* v;
+    const T* k;
+    const T* v;
     const int64_t* blocks;
     int64_t bs;
     int64_t ldk;  // H * D
 };
 
-template <int64_t D>
+template <int64_t D, typename T>
 struct Work {
     // A task's tile buffers: kt [D][kTile], s [rows][kTile], key/value row pointers.
     static int64_t numel(int64_t rows) { return D * kTile + rows * kTile + 4 * kTile; }
     float* kt;
     float* s;
-    const float** krows;
-    const float** vrows;
+    const T** krows;
+    const T** vrows;
     Work(float* base, int64_t rows)
-        : kt(base), s(base + D * kTile), krows(reinterpret_cast<const float**>(base + D * kTile + rows * kTile)),
+        : kt(base), s(base + D * kTile), krows(reinterpret_cast<const T**>(base + D * kTile + rows * kTile)),
           vrows(krows + kTile) {}
 };
 
 // Points w's key and value rows at the context's keys [t0, t0 + nk) of head 0.
-template <int64_t D>
-inline void locate_tile(const Context& ctx, int64_t t0, int64_t nk, Work<D>& w) {
+template <int64_t D, typename T>
+inline void locate_tile(const Context<T>& ctx, int64_t t0, int64_t nk, Work<D, T>& w) {
     int64_t block = t0 / ctx.bs, in_block = t0 % ctx.bs;
     for (int64_t j = 0; j < nk; j++) {
         const int64_t off = (ctx.blocks[block] * ctx.bs + in_block) * ctx.ldk;
@@ -177,18 +194,20 @@ inline void locate_tile(const Context& ctx, int64_t t0, int64_t nk, Work<D>& w) 
     }
 }
 
-// Reads the floats [off, off + count) of the tile's key and value rows ([0, nk)) in order, one
+// Reads the values [off, off + count) of the tile's key and value rows ([0, nk)) in order, one
 // load per cache line, before the compute uses them. The compute reads a head's slice of each
 // row a transposed column or a value row at a time, which leaves most of a decode step's cache
 // misses serial; these loads are independent and in address order, so many are in flight and
 // the hardware prefetcher follows them. Software prefetches did not help (RESULTS.md pass 15).
-inline void touch_rows(const float* const* krows, const float* const* vrows, int64_t nk,
-                       int64_t off, int64_t count) {
+template <typename T>
+inline void touch_rows(const T* const* krows, const T* const* vrows, int64_t nk, int64_t off,
+                       int64_t count) {
+    constexpr int64_t line = 64 / sizeof(T);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t j = 0; j < nk; j++)
-        for (int64_t c = off; c < off + count; c += 16) {
-            acc = _mm256_add_ps(acc, _mm256_loadu_ps(krows[j] + c));
-            acc = _mm256_add_ps(acc, _mm256_loadu_ps(vrows[j] + c));
+        for (int64_t c = off; c < off + count; c += line) {
+            acc = _mm256_add_ps(acc, load8(krows[j] + c));
+            acc = _mm256_add_ps(acc, load8(vrows[j] + c));
         }
     __asm__ __volatile__("" : : "x"(acc));  // the loads are kept: their value is "used"
 }
@@ -196,15 +215,15 @@ inline void touch_rows(const float* const* krows, const float* const* vrows, int
 // Rows [0, R) of head h (q: [R][D]) against the tile of nk keys (nk <= kTile) locate_tile put
 // in w; row i sees only the keys before limits[i] - t0 of the tile (limits nullptr: all of
 // them). The rows' online-softmax states are o [R][D], m [R], l [R].
-template <int64_t D>
+template <int64_t D, typename T>
 void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
-                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D>& w) {
+                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D, T>& w) {
     const int64_t hoff = h * D;
     const int64_t full = nk / 8 * 8;
     for (int64_t j = 0; j < full; j += 8)
         for (int64_t d = 0; d < D; d += 8) transpose8(w.krows + j, hoff + d, w.kt + d * kTile + j, kTile);
     for (int64_t j = full; j < kTile; j++)
-        for (int64_t d = 0; d < D; d++) w.kt[d * kTile + j] = j < nk ? w.krows[j][hoff + d] : 0.0f;
+        for (int64_t d = 0; d < D; d++) w.kt[d * kTile + j] = j < nk ? to_float(w.krows[j][hoff + d]) : 0.0f;
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) scores<D, 4>(q + r * D, w.kt, w.s + r * kTile);
     switch (R - r) {
@@ -218,10 +237,10 @@ void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
         softmax_tile<D>(w.s + i * kTile, row_nk, scale, m + i, l + i, o + i * D);
     }
     r = 0;
-    for (; r + 3 <= R; r += 3) weighted_values<D, 3>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D);
+    for (; r + 3 <= R; r += 3) weighted_values<D, 3, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D);
     switch (R - r) {
-        case 2: weighted_values<D, 2>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
-        case 1: weighted_values<D, 1>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
+        case 2: weighted_values<D, 2, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
+        case 1: weighted_values<D, 1, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
         default: break;
     }
 }
@@ -242,8 +261,8 @@ struct Layout {
     int64_t H, R, splits, threads;
     int64_t state() const { return R * D + 2 * round16(R); }
     int64_t thread_work() const {
-        const int64_t own = Work<D>::numel(kOwnRows) + kOwnRows * D + 2 * round16(kOwnRows);
-        const int64_t shared = Work<D>::numel(R);
+        const int64_t own = Work<D, float>::numel(kOwnRows) + kOwnRows * D + 2 * round16(kOwnRows);
+        const int64_t shared = Work<D, float>::numel(R);
         return own > shared ? own : shared;
     }
     int64_t numel() const {
@@ -254,8 +273,8 @@ struct Layout {
 // The shared blocks: every row of every head against keys [0, L) of ctx, in `splits` key ranges
 // (one task per range, over every head: a range's memory is read once, in order), merged into
 // out [H][R][D] and lse [H][round16(R)].
-template <int64_t D>
-void shared_part(const float* qs, int64_t H, int64_t R, const Context& ctx, int64_t L, float scale,
+template <int64_t D, typename T>
+void shared_part(const float* qs, int64_t H, int64_t R, const Context<T>& ctx, int64_t L, float scale,
                  int64_t splits, float* states, float* works, int64_t work_stride, float* out,
                  float* lse) {
     const int64_t state = R * D + 2 * round16(R);
@@ -263,18 +282,18 @@ void shared_part(const float* qs, int64_t H, int64_t R, const Context& ctx, int6
     #pragma omp parallel for schedule(static)
     for (int64_t sp = 0; sp < splits; sp++) {
         const int64_t k0 = sp * range, k1 = (sp + 1) * range < L ? (sp + 1) * range : L;
-        Work<D> w(works + sp * work_stride, R);
+        Work<D, T> w(works + sp * work_stride, R);
         for (int64_t h = 0; h < H; h++) {
             float* o = states + (h * splits + sp) * state;
             reset_state<D>(o, o + R * D, o + R * D + round16(R), R);
         }
         for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
             const int64_t nk = k1 - t0 < kTile ? k1 - t0 : kTile;
-            locate_tile<D>(ctx, t0, nk, w);
+            locate_tile<D, T>(ctx, t0, nk, w);
             touch_rows(w.krows, w.vrows, nk, 0, ctx.ldk);  // every head's: the rows are contiguous
             for (int64_t h = 0; h < H; h++) {
                 float* o = states + (h * splits + sp) * state;
-                attend_tile<D>(qs + h * R * D, R, h, t0, nk, nullptr, scale, o, o + R * D,
+                attend_tile<D, T>(qs + h * R * D, R, h, t0, nk, nullptr, scale, o, o + R * D,
                                o + R * D + round16(R), w);
             }
         }
@@ -302,12 +321,12 @@ void shared_part(const float* qs, int64_t H, int64_t R, const Context& ctx, int6
     }
 }
 
-template <int64_t D>
-void paged_attention(const float* q, const float* k_cache, const float* v_cache, int64_t bs,
+template <int64_t D, typename T>
+void paged_attention(const T* q, const T* k_cache, const T* v_cache, int64_t bs,
                      int64_t H, int64_t G, int64_t n, int64_t nq, const int64_t* shared_blocks,
                      int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
                      const int64_t* positions, float scale, int64_t threads, float* scratch,
-                     float* out) {
+                     T* out) {
     const int64_t Rb = nq * G;  // rows per head of one sequence
     const Layout<D> lay{H, n * Rb, threads, threads};
     const int64_t R = lay.R, ldk = H * D, shared_len = num_shared * bs;
@@ -319,13 +338,13 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
     // qs[h][r] = q[b][i][h * G + g] for row r = (b * nq + i) * G + g.
     for (int64_t h = 0; h < H; h++)
         for (int64_t r = 0; r < R; r++) {
-            const float* src = q + ((r / G) * H * G + h * G + r % G) * D;
+            const T* src = q + ((r / G) * H * G + h * G + r % G) * D;
             float* dst = qs + (h * R + r) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] = src[d];
+            for (int64_t d = 0; d < D; d++) dst[d] = to_float(src[d]);
         }
     if (num_shared > 0) {
-        const Context ctx{k_cache, v_cache, shared_blocks, bs, ldk};
-        shared_part<D>(qs, H, R, ctx, shared_len, scale, threads, states, works, lay.thread_work(),
+        const Context<T> ctx{k_cache, v_cache, shared_blocks, bs, ldk};
+        shared_part<D, T>(qs, H, R, ctx, shared_len, scale, threads, states, works, lay.thread_work(),
                        shared_out, shared_lse);
     }
     // The own blocks: one task per (sequence, head, block of kOwnRows rows), causal.
@@ -333,8 +352,8 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
     #pragma omp parallel num_threads(threads)
     {
         float* base = works + omp_get_thread_num() * lay.thread_work();
-        Work<D> w(base, kOwnRows);
-        float* o = base + Work<D>::numel(kOwnRows);
+        Work<D, T> w(base, kOwnRows);
+        float* o = base + Work<D, T>::numel(kOwnRows);
         float* m = o + kOwnRows * D;
         float* l = m + round16(kOwnRows);
         int64_t limits[kOwnRows];
@@ -343,7 +362,7 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
             const int64_t b = task / (H * row_blocks), h = task / row_blocks % H;
             const int64_t r0 = task % row_blocks * kOwnRows;
             const int64_t rows = Rb - r0 < kOwnRows ? Rb - r0 : kOwnRows;
-            const Context ctx{k_cache, v_cache, own_blocks + b * num_own, bs, ldk};
+            const Context<T> ctx{k_cache, v_cache, own_blocks + b * num_own, bs, ldk};
             // Row r0 + i's query, at position p, sees the own keys before p + 1 - shared_len.
             for (int64_t i = 0; i < rows; i++)
                 limits[i] = positions[b * nq + (r0 + i) / G] + 1 - shared_len;
@@ -354,15 +373,15 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
                 const int64_t nk = end - t0 < kTile ? end - t0 : kTile;
                 int64_t first = 0;  // rows the mask hides the whole tile from come first
                 while (limits[first] <= t0) first++;
-                locate_tile<D>(ctx, t0, nk, w);
+                locate_tile<D, T>(ctx, t0, nk, w);
                 touch_rows(w.krows, w.vrows, nk, h * D, D);
-                attend_tile<D>(qrows + first * D, rows - first, h, t0, nk, limits + first, scale,
+                attend_tile<D, T>(qrows + first * D, rows - first, h, t0, nk, limits + first, scale,
                                o + first * D, m + first, l + first, w);
             }
             // Merge with the shared part through the log-sum-exps, into out's layout.
             for (int64_t i = 0; i < rows; i++) {
                 const int64_t r = b * Rb + r0 + i;
-                float* dst = out + ((r / G) * H * G + h * G + r % G) * D;
+                T* dst = out + ((r / G) * H * G + h * G + r % G) * D;
                 float own_w = 1.0f, shared_w = 0.0f;
                 const float* so = shared_out + (h * R + r) * D;
                 if (num_shared > 0) {
@@ -373,10 +392,26 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
                 }
                 const float inv = 1.0f / (l[i] * own_w + shared_w);
                 for (int64_t d = 0; d < D; d++)
-                    dst[d] = (o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv;
+                    dst[d] = from_float<T>((o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
             }
         }
     }
+}
+
+template <typename T>
+int dispatch(int64_t head_dim, const T* q, const T* k_cache, const T* v_cache, int64_t bs,
+             int64_t H, int64_t G, int64_t n, int64_t nq, const int64_t* shared_blocks,
+             int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
+             const int64_t* positions, float scale, int64_t threads, float* scratch, T* out) {
+    if (head_dim == 64)
+        paged_attention<64, T>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                               own_blocks, num_own, positions, scale, threads, scratch, out);
+    else if (head_dim == 128)
+        paged_attention<128, T>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                                own_blocks, num_own, positions, scale, threads, scratch, out);
+    else
+        return 1;
+    return 0;
 }
 
 }  // namespace
@@ -404,15 +439,19 @@ int spyre_paged_attention_f32(int64_t head_dim, const float* q, const float* k_c
                               int64_t nq, const int64_t* shared_blocks, int64_t num_shared,
                               const int64_t* own_blocks, int64_t num_own, const int64_t* positions,
                               float scale, int64_t threads, float* scratch, float* out) {
-    if (head_dim == 64)
-        paged_attention<64>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                            own_blocks, num_own, positions, scale, threads, scratch, out);
-    else if (head_dim == 128)
-        paged_attention<128>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                             own_blocks, num_own, positions, scale, threads, scratch, out);
-    else
-        return 1;
-    return 0;
+    return dispatch(head_dim, q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                    own_blocks, num_own, positions, scale, threads, scratch, out);
+}
+
+// spyre_paged_attention_f32 with bfloat16 queries, caches and output (the same scratch).
+int spyre_paged_attention_bf16(int64_t head_dim, const uint16_t* q, const uint16_t* k_cache,
+                               const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G,
+                               int64_t n, int64_t nq, const int64_t* shared_blocks,
+                               int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
+                               const int64_t* positions, float scale, int64_t threads,
+                               float* scratch, uint16_t* out) {
+    return dispatch(head_dim, q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                    own_blocks, num_own, positions, scale, threads, scratch, out);
 }
 
 }  // extern "C"

@@ -1,0 +1,160 @@
+"""A whole cpu step of an fms LLaMA in aten ops, without fms's module machinery.
+
+With ``model.attention_kernel: flash`` or a dtype the native kernels do not compute (bfloat16:
+the default on CPUs with AMX or AVX512-BF16), the cpu runner's steps used to run through fms's
+forward: ~300 module calls, keyword dispatch to the attention op, and ~2,000 view, reshape and
+transpose objects per step, on SmolLM2's 30 layers. ``AtenDecoder`` runs the same tensor ops in
+the same order as that forward over the ``cpu_inference_copy`` modules (the fast RMS norm and
+rotary embedding, the projections whatever their kernel, our paged-attention store and compute), so
+the logits and KV writes are the same bits, with the glue between them cut to the few views the
+ops need. The modules' own forwards run the norms, the projections and the feed-forward, so
+the native element-wise kernels that ``cpu_inference_copy`` puts in them (in bfloat16 too) run
+here as well.
+
+It covers fms's LLaMA with fused QKV weights, fast RMS norms, plain RoPE on the fast path with
+explicit positions, a gated linear unit, no dropout, no per-head norms or sinks, and layers of
+one shape. ``unsupported_reason`` says why another model is not covered; the
+runner then uses fms's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from fms.models.llama import LLaMA
+from fms.modules.attention import FusedQKV, MultiHeadAttention
+from fms.modules.feedforward import GatedLinearUnit
+
+from spyre_server.model.fast_norm import FastRMSNorm
+from spyre_server.model.fast_rope import FastRotaryEmbedding
+from spyre_server.model.paged_attention import (
+    AttentionPlan,
+    PagedAttentionKernel,
+    store_and_attend,
+)
+from spyre_server.model.runner import KVCaches
+
+Project = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """A decoder layer's parts as the step calls them: bound forwards (no module hooks)."""
+
+    attn_norm: Project
+    qkv: Project
+    dense: Project
+    ff_norm: Project
+    feed_forward: Project
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _Layer:
+        return cls(
+            layer.ln.forward,
+            layer.attn.in_proj.qkv_fused.forward,
+            layer.attn.dense.forward,
+            layer.ff_ln.forward,
+            layer.ff_sub_layer.forward,
+        )
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``AtenDecoder`` cannot run ``model`` (a ``cpu_inference_copy``), or None when it can."""
+    if not isinstance(model, LLaMA):
+        return f"{type(model).__name__} is not fms's LLaMA"
+    if model.config.p_dropout:
+        return "the model has dropout"
+    base = model.base_model
+    for norm in [base.dec_norm, *(m for layer in base.layers for m in (layer.ln, layer.ff_ln))]:
+        if not isinstance(norm, FastRMSNorm):
+            return f"a norm is {type(norm).__name__}, not the fast RMS norm"
+    for layer in base.layers:
+        attn, ff = layer.attn, layer.ff_sub_layer
+        if not isinstance(attn, MultiHeadAttention) or not isinstance(attn.in_proj, FusedQKV):
+            return "an attention is not fms's with fused QKV weights"
+        if attn.apply_norm_per_head or attn.has_sinks:
+            return "an attention has per-head norms or sinks"
+        if attn.emb_kq_per_head != attn.emb_v_per_head:
+            return "the keys and values differ in head size"
+        rope = attn.position_encoder
+        if (
+            not isinstance(rope, FastRotaryEmbedding)
+            or rope.rope_type == "yarn"
+            or rope.partial_rope != 1.0
+        ):
+            return "the position encoding is not plain RoPE on the fast path"
+        if not isinstance(ff, GatedLinearUnit):
+            return "a feed-forward is not fms's gated linear unit"
+    shapes = {_layer_shape(layer) for layer in base.layers}
+    if len(shapes) != 1:
+        return "the layers differ in heads, sizes, scale or rotary embedding"
+    return None
+
+
+def _layer_shape(layer: torch.nn.Module) -> tuple[object, ...]:
+    a = layer.attn
+    hidden_dim = layer.ff_sub_layer.hidden_dim
+    rope = id(a.position_encoder)
+    return (a.nheads, a.kvheads, a.emb_dim, a.emb_kq_per_head, a.scale_factor, rope, hidden_dim)
+
+
+class AtenDecoder:
+    """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
+    logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
+    ``paged_attention_kwargs(slot_mapping, plan, attention)`` and ``use_cache=True`` computes
+    them, writing the same KV."""
+
+    def __init__(
+        self, model: torch.nn.Module, attention: PagedAttentionKernel | None = None
+    ) -> None:
+        if (reason := unsupported_reason(model)) is not None:
+            raise ValueError(f"AtenDecoder cannot run this model: {reason}")
+        assert isinstance(model, LLaMA)
+        base = model.base_model
+        self._model = model
+        self._attention = attention
+        first = base.layers[0].attn
+        self._nheads, self._kvheads = first.nheads, first.kvheads
+        self._head_dim = first.emb_kq_per_head
+        self._scale: float | None = first.scale_factor
+        self._splits = list(first.in_proj.splits)
+        self._rope: FastRotaryEmbedding = first.position_encoder
+        self._layers = [_Layer.of(layer) for layer in base.layers]
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: AttentionPlan,
+        kv_caches: KVCaches,
+        last_n_tokens: int,
+    ) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        heads, kvheads, head_dim = self._nheads, self._kvheads, self._head_dim
+        x = self._model.base_model.embedding(input_ids)
+        cos, signed_sin = self._rope._tables(x.device, position_ids)
+        rotate = self._rope._rotate
+        for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
+            # x + attention(norm(x)), as fms's LLaMABlock and MultiHeadAttention.
+            q, k, v = layer.qkv(layer.attn_norm(x)).split(self._splits, dim=-1)
+            queries = rotate(q.view(batch, seq, heads, head_dim), cos, signed_sin)
+            keys = rotate(k.view(batch, seq, kvheads, head_dim), cos, signed_sin)
+            values = v.view(batch, seq, kvheads, head_dim)
+            attended = store_and_attend(
+                queries,
+                keys,
+                values,
+                key_cache,
+                value_cache,
+                slot_mapping,
+                plan,
+                self._scale,
+                self._attention,
+            )
+            x = layer.dense(attended.view(batch, seq, heads * head_dim)) + x
+            x = layer.feed_forward(layer.ff_norm(x)) + x
+        last = x[:, seq - last_n_tokens :]
+        return self._model.head(self._model.base_model.dec_norm(last))
