@@ -39,10 +39,9 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from spyre_server.model.cpu_backend import CpuModelRunner
+from spyre_server.model.cpu_backend import CpuModelRunner, StepDecoder
 from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder, cpu_inference_copy
 from spyre_server.model.loading import cpu_flags, load_model
-from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.paged_attention import PagedAttentionKernel
 from spyre_server.model.runner import kv_cache_shape
 from spyre_server.model.store import default_cache_dir, prepare_default_model
@@ -89,7 +88,7 @@ class Bench:
         dtype: torch.dtype,
         vocab: int,
         attention: PagedAttentionKernel | None = None,
-        decoder: NativeDecoder | None = None,
+        decoder: StepDecoder | None = None,
     ) -> None:
         self.model = model
         self.dtype = dtype
@@ -314,13 +313,14 @@ def main() -> None:
         "--attention-kernel",
         choices=("auto", "native", "flash"),
         default="auto",
-        help="model.attention_kernel: auto (the server's default), ours, or SDPA's flash kernel",
+        help="model.attention_kernel: auto (the server's default: ours, or in bfloat16 ours for "
+        "decode steps and flash for prefill chunks), ours, or SDPA's flash kernel",
     )
     parser.add_argument(
         "--fms-forward",
         action="store_true",
-        help="run the steps through fms's forward even where the native decoder covers the "
-        "model (the server uses the decoder there)",
+        help="run the steps through fms's forward even where a decoder (native or aten) covers "
+        "the model (the server uses the decoder there)",
     )
     args = parser.parse_args()
 

@@ -1,20 +1,18 @@
 """A whole cpu step of an fms LLaMA in aten ops, without fms's module machinery.
 
-With ``model.attention_kernel: flash`` or a dtype the native kernels do not compute (bfloat16:
-the default on CPUs with AMX or AVX512-BF16), the cpu runner's steps used to run through fms's
-forward: ~300 module calls, keyword dispatch to the attention op, and ~2,000 view, reshape and
-transpose objects per step, on SmolLM2's 30 layers. ``AtenDecoder`` runs the same tensor ops in
-the same order as that forward over the ``cpu_inference_copy`` modules (the fast RMS norm and
-rotary embedding, the projections whatever their kernel, our paged-attention store and compute), so
-the logits and KV writes are the same bits, with the glue between them cut to the few views the
-ops need. The modules' own forwards run the norms, the projections and the feed-forward, so
-the native element-wise kernels that ``cpu_inference_copy`` puts in them (in bfloat16 too) run
-here as well.
+Where the native decoder does not run (bfloat16, the default on CPUs with AMX or AVX512-BF16;
+``model.attention_kernel: flash``; oneDNN or aten projections), the cpu runner's steps used to
+run through fms's forward: ~300 module calls, keyword dispatch to the attention op, and ~2,000
+view, reshape and transpose objects per step on SmolLM2's 30 layers. ``AtenDecoder`` runs the
+same tensor ops in the same order as that forward over the ``cpu_inference_copy`` modules (the
+fast or native RMS norm and rotary embedding, the projections whatever their kernel, the
+feed-forward module, our paged-attention store and compute), so the logits and KV writes are
+the same bits, with the glue between them cut to the few views the ops need.
 
 It covers fms's LLaMA with fused QKV weights, fast RMS norms, plain RoPE on the fast path with
 explicit positions, a gated linear unit, no dropout, no per-head norms or sinks, and layers of
-one shape. ``unsupported_reason`` says why another model is not covered; the
-runner then uses fms's forward.
+one shape. ``unsupported_reason`` says why another model is not covered; the runner then uses
+fms's forward.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ from spyre_server.model.native_attention import (
     SUPPORTED_HEAD_DIMS,
     NativePagedAttention,
 )
+from spyre_server.model.native_bf16_decoder import NativeBf16Decoder
+from spyre_server.model.native_bf16_decoder import unsupported_reason as bf16_unsupported_reason
 from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.native_decoder import unsupported_reason as native_unsupported_reason
 from spyre_server.model.native_elementwise import use_native_elementwise
@@ -127,10 +129,10 @@ def cpu_attention_kernel(
 
 def cpu_decoder(
     model: torch.nn.Module, attention: NativePagedAttention | None
-) -> NativeDecoder | AtenDecoder | None:
-    """The runner's step for ``model`` (a ``cpu_inference_copy``) with ``attention``: the native
-    decoder where it covers them, else the aten decoder where that covers them, else None (logged
-    with the reasons): fms's forward runs the steps."""
+) -> NativeDecoder | NativeBf16Decoder | AtenDecoder | None:
+    """The runner's step for ``model`` (a ``cpu_inference_copy``) with ``attention``: the first
+    of the native decoder (float32), the native bfloat16 decoder and the aten decoder that covers
+    them, else None: fms's forward runs the steps. The log says which, and why not the others."""
     native_reason = (
         "the attention kernel is flash" if attention is None else native_unsupported_reason(model)
     )
@@ -138,9 +140,17 @@ def cpu_decoder(
         assert attention is not None
         logger.info("cpu kernels: steps on the native decoder")
         return NativeDecoder(model, attention)
+    bf16_reason = bf16_unsupported_reason(model)
+    if bf16_reason is None:
+        logger.info("cpu kernels: steps on the native bfloat16 decoder")
+        return NativeBf16Decoder(model, attention)
     aten_reason = aten_unsupported_reason(model)
     if aten_reason is None:
-        logger.info("cpu kernels: steps on the aten decoder (not native: %s)", native_reason)
+        logger.info(
+            "cpu kernels: steps on the aten decoder (not native: %s; not native bfloat16: %s)",
+            native_reason,
+            bf16_reason,
+        )
         return AtenDecoder(model, attention)
     logger.info(
         "cpu kernels: steps through fms's forward (not native: %s; not aten: %s)",

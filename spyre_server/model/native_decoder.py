@@ -68,10 +68,9 @@ class _Layer:
         )
 
 
-def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why ``NativeDecoder`` cannot run ``model`` (a ``cpu_inference_copy`` with native
-    kernels), or None when it can: what the aten decoder needs, every part on its native
-    kernel, and what those compute."""
+def native_modules_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` (a ``cpu_inference_copy``) is not what the aten decoder runs with every RMS
+    norm, rotary embedding and GLU on its native kernel, or None when it is."""
     if (reason := aten_unsupported_reason(model)) is not None:
         return reason
     base = model.base_model
@@ -82,8 +81,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return "a norm is not a plain RMS norm with a scale"
     for layer in base.layers:
         attn, ff = layer.attn, layer.ff_sub_layer
-        if attn.emb_v_per_head not in SUPPORTED_HEAD_DIMS:
-            return f"head_dim {attn.emb_v_per_head} (the native attention computes 64 and 128)"
         if type(attn.position_encoder) is not NativeRotaryEmbedding:
             return "the position encoding is not plain RoPE on the native kernel"
         if (
@@ -92,6 +89,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             or not isinstance(ff.a, torch.nn.SiLU)
         ):
             return "a feed-forward is not a fused SiLU GLU on the native kernel"
+    return None
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``NativeDecoder`` cannot run ``model`` (a ``cpu_inference_copy`` with native
+    kernels), or None when it can: native modules, native projections, and head sizes the
+    native attention computes."""
+    if (reason := native_modules_reason(model)) is not None:
+        return reason
+    for layer in model.base_model.layers:
+        attn, ff = layer.attn, layer.ff_sub_layer
+        if attn.emb_v_per_head not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {attn.emb_v_per_head} (the native attention computes 64 and 128)"
         linears = (attn.in_proj.qkv_fused, attn.dense, ff.wg1_fused, ff.w2)
         if any(type(m) is not NativeLinear or m.bias is not None for m in linears):
             return "a projection is not a native linear without bias"
@@ -158,7 +168,7 @@ class NativeDecoder:
         cos, signed_sin = self._rope._tables(x.device, position_ids)
         qkv_width = qkv.shape[1]
         kv_width = kvheads * head_dim
-        slots = _checked_slots(slot_mapping, tokens, kv_caches, kvheads, head_dim)
+        slots = checked_slots(slot_mapping, tokens, kv_caches, kvheads, head_dim)
         q_view = queries.view(batch, seq, heads, head_dim)
         out_view = attended.view(batch, seq, heads, head_dim)
         x_ptr, normed_ptr, qkv_ptr = x.data_ptr(), normed.data_ptr(), qkv.data_ptr()
@@ -197,15 +207,20 @@ class NativeDecoder:
         return self._model.head(self._model.base_model.dec_norm(last))
 
 
-def _checked_slots(
-    slot_mapping: torch.Tensor, tokens: int, kv_caches: KVCaches, kvheads: int, head_dim: int
+def checked_slots(
+    slot_mapping: torch.Tensor,
+    tokens: int,
+    kv_caches: KVCaches,
+    kvheads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The step's KV slots as the scatter kernel reads them (contiguous int64), checked against
     the caches it writes into: every layer's caches as ``check_caches`` wants them, of the first
     layer's shape with ``kvheads`` heads, every slot inside them."""
     first = kv_caches[0][0]
     for key_cache, value_cache in kv_caches:
-        check_caches(key_cache, value_cache, head_dim)
+        check_caches(key_cache, value_cache, head_dim, dtype)
         if key_cache.shape != first.shape or first.shape[-2] != kvheads:
             raise ValueError(f"the KV caches must be of one shape with {kvheads} heads")
     num_slots = first.numel() // (kvheads * head_dim)

@@ -175,6 +175,11 @@ class NativeKernels:
     """``silu_mul`` for bfloat16 (rounding where fms's GLU rounds)."""
     rope_bf16: Callable[[int, int, int, int, int, int, int, int], None]
     """``rope`` for bfloat16 ``x`` and ``out`` (float32 tables)."""
+    add_rms_norm_bf16: Callable[[int, int, int, int, int, int, float], None]
+    """(x, d, weight, out, M, N, eps): x += d in place (rounded), then out = rms_norm(x)."""
+    rope_store_bf16: Callable[..., None]
+    """(qkv, ldq, cos, signed_sin, q_out, k_cache, v_cache, slots, T, H, KVH, D): a layer's
+    RoPE and KV store from its fused QKV output; see ``kernels/elementwise_bf16.cpp``."""
 
     def __deepcopy__(self, memo: dict[int, object]) -> NativeKernels:
         return self  # functions of the one loaded library (ctypes objects cannot be copied)
@@ -221,6 +226,11 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_silu_mul_bf16.restype = None
     lib.spyre_rope_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_rope_bf16.restype = None
+    lib.spyre_add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.spyre_add_rms_norm_bf16.restype = None
+    lib.spyre_rope_store_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
+    lib.spyre_rope_store_bf16.argtypes += [i64, i64]
+    lib.spyre_rope_store_bf16.restype = None
     return NativeKernels(
         path=path,
         packed_numel=lib.spyre_linear_f32_packed_numel,
@@ -237,6 +247,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         rms_norm_bf16=lib.spyre_rms_norm_bf16,
         silu_mul_bf16=lib.spyre_silu_mul_bf16,
         rope_bf16=lib.spyre_rope_bf16,
+        add_rms_norm_bf16=lib.spyre_add_rms_norm_bf16,
+        rope_store_bf16=lib.spyre_rope_store_bf16,
     )
 
 

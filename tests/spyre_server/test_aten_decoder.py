@@ -19,6 +19,7 @@ from spyre_server.model.aten_decoder import AtenDecoder, unsupported_reason
 from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder, cpu_inference_copy
 from spyre_server.model.native_attention import NativePagedAttention
+from spyre_server.model.native_bf16_decoder import NativeBf16Decoder
 from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.native_elementwise import NativeRMSNorm
 from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
@@ -142,9 +143,9 @@ def test_cpu_decoder_picks_native_then_aten_and_says_why(
     native = copy_of(model64, torch.float32, "native")
     assert isinstance(cpu_decoder(native, attention), NativeDecoder)
     assert isinstance(cpu_decoder(native, None), AtenDecoder)
-    assert "steps on the aten decoder (not native: the attention kernel is flash)" in caplog.text
+    assert "steps on the aten decoder (not native: the attention kernel is flash;" in caplog.text
     bf16 = copy_of(model64, torch.bfloat16, bf16_linear_kernel())
-    assert isinstance(cpu_decoder(bf16, None), AtenDecoder)
+    assert isinstance(cpu_decoder(bf16, None), NativeBf16Decoder)
     tiny = cpu_inference_copy(tiny_llama, linear_kernel="native", dtype=torch.float32)
     assert isinstance(cpu_decoder(tiny, attention), AtenDecoder)
     assert "head_dim 48" in caplog.text

@@ -206,7 +206,7 @@ def test_cpu_decoder_says_why_it_is_not_used(
     caplog.set_level(logging.INFO, logger="spyre_server.model.cpu_model")
     assert isinstance(cpu_decoder(native64, attention), NativeDecoder)
     assert not isinstance(cpu_decoder(native64, None), NativeDecoder)
-    assert "(not native: the attention kernel is flash)" in caplog.text
+    assert "(not native: the attention kernel is flash;" in caplog.text
     tiny = cpu_inference_copy(tiny_llama, linear_kernel="native", dtype=torch.float32)
     assert not isinstance(cpu_decoder(tiny, attention), NativeDecoder)
     assert "head_dim 48" in caplog.text

@@ -199,3 +199,59 @@ def test_rounding_ties_go_to_even_and_nan_stays_nan() -> None:
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
     assert got[2].item() == 1.0 and got[6].item() == 1.015625  # ties: to even, both ways
+
+
+@pytest.mark.parametrize("rows", [1, 300])  # 300 x 576: the threaded path
+def test_add_rms_norm_is_the_add_then_the_norm(rows: int) -> None:
+    """The native bfloat16 decoder's residual add and next norm in one pass: x becomes x + d
+    rounded as torch's bfloat16 add rounds it, and out the norm kernel's result on it."""
+    torch.manual_seed(rows)
+    norm, _ = bf16_norm(576)
+    lib = kernels()
+    x = (torch.randn(rows, 576) * 3).bfloat16()
+    d = torch.randn(rows, 576).bfloat16()
+    want_x = d + x
+    with torch.inference_mode():
+        want = norm(want_x)
+    out = torch.empty_like(x)
+    lib.add_rms_norm_bf16(
+        x.data_ptr(), d.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows, 576, norm.eps
+    )
+    assert torch.equal(x, want_x) and torch.equal(out, want)
+
+
+def test_rope_store_rotates_into_the_slots_and_nowhere_else() -> None:
+    """A layer's RoPE and KV store from its fused QKV output: the queries rotated as the rope
+    kernel rotates them, the keys rotated and the values as they are in their cache slots,
+    every other slot untouched."""
+    torch.manual_seed(9)
+    lib = kernels()
+    fast = RotaryEmbedding(dim=64, max_seq_len=4096)
+    fast.__class__ = FastRotaryEmbedding
+    holder = torch.nn.Module()
+    holder.rope = fast
+    use_native_elementwise(holder, lib)
+    tokens, heads, kvheads, head_dim, num_slots = 5, 9, 3, 64, 40
+    qkv = torch.randn(tokens, (heads + 2 * kvheads) * head_dim).bfloat16()
+    positions = torch.tensor([[3, 17, 100, 101, 2000]])
+    cos, signed_sin = fast._tables(qkv.device, positions)
+    slots = torch.tensor([7, 0, 39, 12, 8])
+    k_cache = torch.full((num_slots, kvheads, head_dim), float("nan")).bfloat16()
+    v_cache = k_cache.clone()
+    queries = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16)
+    lib.rope_store_bf16(
+        qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), signed_sin.data_ptr(), queries.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), tokens, heads, kvheads, head_dim,
+    )  # fmt: skip
+    q, k, v = qkv.view(1, tokens, -1).split(
+        [heads * head_dim, kvheads * head_dim, kvheads * head_dim], -1
+    )
+    want_q, want_k = fast.adjusted_qk(
+        q.view(1, tokens, heads, head_dim), k.view(1, tokens, kvheads, head_dim), positions
+    )
+    assert torch.equal(queries, want_q[0])
+    assert torch.equal(k_cache[slots], want_k[0])
+    assert torch.equal(v_cache[slots], v.reshape(tokens, kvheads, head_dim))
+    others = torch.ones(num_slots, dtype=torch.bool)
+    others[slots] = False
+    assert k_cache[others].isnan().all() and v_cache[others].isnan().all()

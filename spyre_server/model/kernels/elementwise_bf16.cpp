@@ -37,6 +37,36 @@ inline __m256 through_bf16(__m256 v) {
 
 inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
+// One row of spyre_rms_norm_bf16.
+inline void norm_row(const uint16_t* xr, const uint16_t* w, uint16_t* o, int64_t N, float eps) {
+    const int64_t full = N / 8 * 8;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < full; j += 8) {
+        const __m256 v = load8(xr + j);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float sum = hsum(acc);
+    for (int64_t j = full; j < N; j++) sum += widen(xr[j]) * widen(xr[j]);
+    const float scale = 1.0f / sqrtf(sum / static_cast<float>(N) + eps);
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int64_t j = 0; j < full; j += 8) {
+        const __m256 normed = through_bf16(_mm256_mul_ps(load8(xr + j), vs));
+        store8(o + j, _mm256_mul_ps(normed, load8(w + j)));
+    }
+    for (int64_t j = full; j < N; j++)
+        o[j] = round_bf16(widen(round_bf16(widen(xr[j]) * scale)) * widen(w[j]));
+}
+
+// One head of spyre_rope_bf16: D values (a multiple of 8) rotated from x into o.
+inline void rope_head(const uint16_t* x, const float* c, const float* s, uint16_t* o, int64_t D) {
+    for (int64_t j = 0; j < D; j += 8) {
+        const __m256 v = load8(x + j);
+        const __m256 swapped = _mm256_permute_ps(v, 0xB1);  // (odd, even) in every pair
+        store8(o + j, _mm256_add_ps(_mm256_mul_ps(v, _mm256_loadu_ps(c + j)),
+                                    _mm256_mul_ps(swapped, _mm256_loadu_ps(s + j))));
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -45,26 +75,23 @@ extern "C" {
 // stride ldx (values), out contiguous [M][N].
 void spyre_rms_norm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out,
                          int64_t M, int64_t N, float eps) {
+    #pragma omp parallel for schedule(static) if (M * N >= kParallelValues)
+    for (int64_t r = 0; r < M; r++) norm_row(x + r * ldx, w, out + r * N, N, eps);
+}
+
+// The residual add and the next norm of a decoder layer in one pass: x[r] = bf16(x[r] + d[r])
+// in place (as fms's `x = out + residual`), then out[r] = spyre_rms_norm_bf16 of the new x[r].
+// x, d and out contiguous [M][N].
+void spyre_add_rms_norm_bf16(uint16_t* x, const uint16_t* d, const uint16_t* w, uint16_t* out,
+                             int64_t M, int64_t N, float eps) {
     const int64_t full = N / 8 * 8;
     #pragma omp parallel for schedule(static) if (M * N >= kParallelValues)
     for (int64_t r = 0; r < M; r++) {
-        const uint16_t* xr = x + r * ldx;
-        uint16_t* o = out + r * N;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < full; j += 8) {
-            const __m256 v = load8(xr + j);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float sum = hsum(acc);
-        for (int64_t j = full; j < N; j++) sum += widen(xr[j]) * widen(xr[j]);
-        const float scale = 1.0f / sqrtf(sum / static_cast<float>(N) + eps);
-        const __m256 vs = _mm256_set1_ps(scale);
-        for (int64_t j = 0; j < full; j += 8) {
-            const __m256 normed = through_bf16(_mm256_mul_ps(load8(xr + j), vs));
-            store8(o + j, _mm256_mul_ps(normed, load8(w + j)));
-        }
-        for (int64_t j = full; j < N; j++)
-            o[j] = round_bf16(widen(round_bf16(widen(xr[j]) * scale)) * widen(w[j]));
+        uint16_t* xr = x + r * N;
+        const uint16_t* dr = d + r * N;
+        for (int64_t j = 0; j < full; j += 8) store8(xr + j, _mm256_add_ps(load8(dr + j), load8(xr + j)));
+        for (int64_t j = full; j < N; j++) xr[j] = round_bf16(widen(dr[j]) + widen(xr[j]));
+        norm_row(xr, w, out + r * N, N, eps);
     }
 }
 
@@ -95,19 +122,29 @@ void spyre_silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t M, int64_t H
 void spyre_rope_bf16(const uint16_t* x, int64_t ldx, const float* cos, const float* signed_sin,
                      uint16_t* out, int64_t T, int64_t heads, int64_t D) {
     #pragma omp parallel for schedule(static) if (T * heads * D >= kParallelValues)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++)
+            rope_head(x + t * ldx + h * D, cos + t * D, signed_sin + t * D, out + (t * heads + h) * D, D);
+}
+
+// A layer's rotary embedding and KV store in one pass over its fused QKV output: qkv [T][ldq]
+// holds each token's H query heads, then KVH key heads, then KVH value heads, of D values (a
+// multiple of 8). The queries go rotated to q_out [T][H][D]; the keys rotated and the values as
+// they are to row slots[t] of k_cache and v_cache ([num_slots][KVH][D]), as spyre_rope_bf16
+// then fms's store compute them.
+void spyre_rope_store_bf16(const uint16_t* qkv, int64_t ldq, const float* cos,
+                           const float* signed_sin, uint16_t* q_out, uint16_t* k_cache,
+                           uint16_t* v_cache, const int64_t* slots, int64_t T, int64_t H,
+                           int64_t KVH, int64_t D) {
+    #pragma omp parallel for schedule(static) if (T * (H + KVH) * D >= kParallelValues)
     for (int64_t t = 0; t < T; t++) {
+        const uint16_t* row = qkv + t * ldq;
         const float* c = cos + t * D;
         const float* s = signed_sin + t * D;
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t* xh = x + t * ldx + h * D;
-            uint16_t* o = out + (t * heads + h) * D;
-            for (int64_t j = 0; j < D; j += 8) {
-                const __m256 v = load8(xh + j);
-                const __m256 swapped = _mm256_permute_ps(v, 0xB1);  // (odd, even) in every pair
-                store8(o + j, _mm256_add_ps(_mm256_mul_ps(v, _mm256_loadu_ps(c + j)),
-                                            _mm256_mul_ps(swapped, _mm256_loadu_ps(s + j))));
-            }
-        }
+        for (int64_t h = 0; h < H; h++) rope_head(row + h * D, c, s, q_out + (t * H + h) * D, D);
+        uint16_t* k = k_cache + slots[t] * KVH * D;
+        for (int64_t h = 0; h < KVH; h++) rope_head(row + (H + h) * D, c, s, k + h * D, D);
+        __builtin_memcpy(v_cache + slots[t] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(uint16_t));
     }
 }
 
