@@ -22,18 +22,12 @@ namespace {
 using spyre_avx2::exp_clamped;
 using spyre_avx2::hsum;
 using spyre_bf16::load8;
+using spyre_bf16::round8;
 using spyre_bf16::round_bf16;
 using spyre_bf16::store8;
 using spyre_bf16::widen;
 
 constexpr int64_t kParallelValues = 1 << 15;  // below this, one thread
-
-// Rounds to bfloat16 and back: the value an intermediate bfloat16 tensor would hold.
-inline __m256 through_bf16(__m256 v) {
-    alignas(32) uint16_t tmp[8];
-    store8(tmp, v);
-    return load8(tmp);
-}
 
 inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
@@ -50,7 +44,7 @@ inline void norm_row(const uint16_t* xr, const uint16_t* w, uint16_t* o, int64_t
     const float scale = 1.0f / sqrtf(sum / static_cast<float>(N) + eps);
     const __m256 vs = _mm256_set1_ps(scale);
     for (int64_t j = 0; j < full; j += 8) {
-        const __m256 normed = through_bf16(_mm256_mul_ps(load8(xr + j), vs));
+        const __m256 normed = round8(_mm256_mul_ps(load8(xr + j), vs));
         store8(o + j, _mm256_mul_ps(normed, load8(w + j)));
     }
     for (int64_t j = full; j < N; j++)
@@ -108,7 +102,7 @@ void spyre_silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t M, int64_t H
         for (int64_t j = 0; j < full; j += 8) {
             const __m256 x = load8(g + j);
             const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), x));
-            const __m256 s = through_bf16(_mm256_div_ps(x, _mm256_add_ps(one, e)));
+            const __m256 s = round8(_mm256_div_ps(x, _mm256_add_ps(one, e)));
             store8(o + j, _mm256_mul_ps(s, load8(u + j)));
         }
         for (int64_t j = full; j < H; j++)
