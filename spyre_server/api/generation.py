@@ -164,7 +164,9 @@ class Generation:
         raise errors[0]
 
     async def stream(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Deltas of all choices as they come, each with its (updated) choice."""
+        """Deltas of all choices as they come, each with its choice as of that delta: a copy
+        made when the delta arrived, so a finish that arrived later is not on earlier deltas
+        still waiting in the queue (the choices themselves hold the latest state)."""
         queue: asyncio.Queue[tuple[Choice, RequestDelta] | BaseException | None] = asyncio.Queue()
         tasks = [asyncio.create_task(self._run_choice(c, queue)) for c in self.choices]
         remaining = len(tasks)
@@ -214,7 +216,9 @@ class Generation:
                     metrics.e2e.observe(now - arrival)
                     if choice.index % self._n == 0:  # a prompt counts once, whatever n is
                         metrics.prompt_tokens.inc(len(choice.prompt_token_ids))
-                queue.put_nowait((choice, delta))
+                # A snapshot: the next deltas update `choice` before the consumer may read this
+                # one (its finish_reason would then be on every chunk still queued).
+                queue.put_nowait((dataclasses.replace(choice), delta))
         except APIError as exc:
             queue.put_nowait(exc)
         finally:
