@@ -17,6 +17,7 @@ fms's forward.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,6 +99,42 @@ def _layer_shape(layer: torch.nn.Module) -> tuple[object, ...]:
     return (a.nheads, a.kvheads, a.emb_dim, a.emb_kq_per_head, a.scale_factor, rope, hidden_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """The sizes a decoder step takes from the model's layers (one shape in every layer, which
+    ``unsupported_reason`` checks)."""
+
+    nheads: int
+    kvheads: int
+    head_dim: int
+    hidden_dim: int
+    mlp_dim: int
+    scale_factor: float | None
+    """As fms's attention holds it (None: ``1 / sqrt(head_dim)``)."""
+    qkv_splits: tuple[int, ...]
+    rope: FastRotaryEmbedding
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> StepShape:
+        first = model.base_model.layers[0]
+        attn = first.attn
+        return cls(
+            attn.nheads,
+            attn.kvheads,
+            attn.emb_kq_per_head,
+            attn.emb_dim,
+            first.ff_sub_layer.hidden_dim,
+            attn.scale_factor,
+            tuple(attn.in_proj.splits),
+            attn.position_encoder,
+        )
+
+    @property
+    def scale(self) -> float:
+        """The attention's scale as the paged-attention op hands it to a kernel."""
+        return self.scale_factor if self.scale_factor is not None else 1 / math.sqrt(self.head_dim)
+
+
 class AtenDecoder:
     """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
     logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
@@ -113,12 +150,7 @@ class AtenDecoder:
         base = model.base_model
         self._model = model
         self._attention = attention
-        first = base.layers[0].attn
-        self._nheads, self._kvheads = first.nheads, first.kvheads
-        self._head_dim = first.emb_kq_per_head
-        self._scale: float | None = first.scale_factor
-        self._splits = list(first.in_proj.splits)
-        self._rope: FastRotaryEmbedding = first.position_encoder
+        self._shape = StepShape.of(model)
         self._layers = [_Layer.of(layer) for layer in base.layers]
 
     def __call__(
@@ -131,13 +163,14 @@ class AtenDecoder:
         last_n_tokens: int,
     ) -> torch.Tensor:
         batch, seq = input_ids.shape
-        heads, kvheads, head_dim = self._nheads, self._kvheads, self._head_dim
+        shape = self._shape
+        heads, kvheads, head_dim = shape.nheads, shape.kvheads, shape.head_dim
         x = self._model.base_model.embedding(input_ids)
-        cos, signed_sin = self._rope._tables(x.device, position_ids)
-        rotate = self._rope._rotate
+        cos, signed_sin = shape.rope._tables(x.device, position_ids)
+        rotate = shape.rope._rotate
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
             # x + attention(norm(x)), as fms's LLaMABlock and MultiHeadAttention.
-            q, k, v = layer.qkv(layer.attn_norm(x)).split(self._splits, dim=-1)
+            q, k, v = layer.qkv(layer.attn_norm(x)).split(list(shape.qkv_splits), dim=-1)
             queries = rotate(q.view(batch, seq, heads, head_dim), cos, signed_sin)
             keys = rotate(k.view(batch, seq, kvheads, head_dim), cos, signed_sin)
             values = v.view(batch, seq, kvheads, head_dim)
@@ -149,7 +182,7 @@ class AtenDecoder:
                 value_cache,
                 slot_mapping,
                 plan,
-                self._scale,
+                shape.scale_factor,
                 self._attention,
             )
             x = layer.dense(attended.view(batch, seq, heads * head_dim)) + x

@@ -15,14 +15,13 @@ and KV writes are the same bits as fms's forward over the same modules (tested s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from spyre_server.model.aten_decoder import Project
+from spyre_server.model.aten_decoder import Project, StepShape
 from spyre_server.model.native_decoder import checked_slots, native_modules_reason
-from spyre_server.model.native_elementwise import NativeRMSNorm, NativeRotaryEmbedding
+from spyre_server.model.native_elementwise import NativeRMSNorm
 from spyre_server.model.native_kernels import NativeKernels
 from spyre_server.model.paged_attention import (
     AttentionPlan,
@@ -91,13 +90,7 @@ class NativeBf16Decoder:
         base = model.base_model
         self._model = model
         self._attention = attention
-        first = base.layers[0].attn
-        self._nheads, self._kvheads = first.nheads, first.kvheads
-        self._head_dim = first.emb_kq_per_head
-        self._scale_factor: float | None = first.scale_factor
-        self._rope: NativeRotaryEmbedding = first.position_encoder
-        self._hidden = first.emb_dim
-        self._mlp = base.layers[0].ff_sub_layer.hidden_dim
+        self._shape = StepShape.of(model)
         self._layers = [_Layer.of(layer) for layer in base.layers]
         dec_norm: NativeRMSNorm = base.dec_norm
         self._kernels: NativeKernels = dec_norm.native_kernels
@@ -111,10 +104,9 @@ class NativeBf16Decoder:
     ) -> torch.Tensor:
         """The paged-attention op's compute, as ``paged_attention._compute`` calls it."""
         if self._attention is None:
-            return flash_attention(queries, key_cache, value_cache, plan, self._scale_factor)
-        scale = self._scale_factor
-        scale = scale if scale is not None else 1 / math.sqrt(self._head_dim)
-        return self._attention(queries, key_cache, value_cache, plan, scale)
+            scale_factor = self._shape.scale_factor
+            return flash_attention(queries, key_cache, value_cache, plan, scale_factor)
+        return self._attention(queries, key_cache, value_cache, plan, self._shape.scale)
 
     def __call__(
         self,
@@ -127,16 +119,16 @@ class NativeBf16Decoder:
     ) -> torch.Tensor:
         batch, seq = input_ids.shape
         tokens = batch * seq
-        k = self._kernels
-        hidden_dim, mlp_dim = self._hidden, self._mlp
-        heads, kvheads, head_dim = self._nheads, self._kvheads, self._head_dim
+        k, shape = self._kernels, self._shape
+        hidden_dim, mlp_dim = shape.hidden_dim, shape.mlp_dim
+        heads, kvheads, head_dim = shape.nheads, shape.kvheads, shape.head_dim
         slots = checked_slots(slot_mapping, tokens, kv_caches, kvheads, head_dim, torch.bfloat16)
         # The residual stream, updated in place (the embedding's output is a new tensor).
         x = self._model.base_model.embedding(input_ids).reshape(tokens, hidden_dim)
         normed = torch.empty(tokens, hidden_dim, dtype=torch.bfloat16)
         queries = torch.empty(batch, seq, heads, head_dim, dtype=torch.bfloat16)
         activated = torch.empty(tokens, mlp_dim, dtype=torch.bfloat16)
-        cos, signed_sin = self._rope._tables(x.device, position_ids)
+        cos, signed_sin = shape.rope._tables(x.device, position_ids)
         x_ptr, normed_ptr, slots_ptr = x.data_ptr(), normed.data_ptr(), slots.data_ptr()
         cos_ptr, sin_ptr, queries_ptr = cos.data_ptr(), signed_sin.data_ptr(), queries.data_ptr()
         first = self._layers[0]

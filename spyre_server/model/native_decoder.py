@@ -16,12 +16,12 @@ covered; the runner then uses fms's forward.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from fms.models.llama import LLaMA
 
+from spyre_server.model.aten_decoder import StepShape
 from spyre_server.model.aten_decoder import unsupported_reason as aten_unsupported_reason
 from spyre_server.model.native_attention import (
     SUPPORTED_HEAD_DIMS,
@@ -121,31 +121,25 @@ class NativeDecoder:
         base = model.base_model
         self._model = model
         self._attention = attention
-        first = base.layers[0].attn
-        self._nheads, self._kvheads = first.nheads, first.kvheads
-        self._head_dim = first.emb_kq_per_head
-        scale = first.scale_factor  # as the paged-attention op reads it
-        self._scale = scale if scale is not None else 1 / math.sqrt(self._head_dim)
-        self._rope: NativeRotaryEmbedding = first.position_encoder
+        self._shape = StepShape.of(model)
         self._layers = [_Layer.of(layer) for layer in base.layers]
         self._kernels: NativeKernels = base.dec_norm.native_kernels
-        self._hidden = first.emb_dim
-        self._mlp = base.layers[0].ff_sub_layer.hidden_dim
         self._buffers: tuple[torch.Tensor, ...] = ()
 
     def _workspace(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
         """A step's buffers for ``num_tokens`` rows: views of buffers grown to the largest step
         so far and kept (a fresh multi-MB tensor costs its page faults on every step)."""
         if not self._buffers or self._buffers[0].shape[0] < num_tokens:
-            qkv_width = (self._nheads + 2 * self._kvheads) * self._head_dim
+            s = self._shape
+            qkv_width = (s.nheads + 2 * s.kvheads) * s.head_dim
             self._buffers = (
-                torch.empty(num_tokens, self._hidden),  # a norm's output
+                torch.empty(num_tokens, s.hidden_dim),  # a norm's output
                 torch.empty(num_tokens, qkv_width),
-                torch.empty(num_tokens, self._nheads, self._head_dim),  # rotated queries
-                torch.empty(num_tokens, self._kvheads, self._head_dim),  # rotated keys
-                torch.empty(num_tokens, self._nheads * self._head_dim),  # attention output
-                torch.empty(num_tokens, 2 * self._mlp),
-                torch.empty(num_tokens, self._mlp),
+                torch.empty(num_tokens, s.nheads, s.head_dim),  # rotated queries
+                torch.empty(num_tokens, s.kvheads, s.head_dim),  # rotated keys
+                torch.empty(num_tokens, s.nheads * s.head_dim),  # attention output
+                torch.empty(num_tokens, 2 * s.mlp_dim),
+                torch.empty(num_tokens, s.mlp_dim),
             )
         return tuple(buffer[:num_tokens] for buffer in self._buffers)
 
@@ -161,11 +155,12 @@ class NativeDecoder:
         batch, seq = input_ids.shape
         tokens = batch * seq
         k = self._kernels
-        hidden_dim, mlp_dim = self._hidden, self._mlp
-        heads, kvheads, head_dim = self._nheads, self._kvheads, self._head_dim
+        shape = self._shape
+        hidden_dim, mlp_dim = shape.hidden_dim, shape.mlp_dim
+        heads, kvheads, head_dim = shape.nheads, shape.kvheads, shape.head_dim
         x = self._model.base_model.embedding(input_ids).reshape(tokens, hidden_dim)
         normed, qkv, queries, keys, attended, gate_up, activated = self._workspace(tokens)
-        cos, signed_sin = self._rope._tables(x.device, position_ids)
+        cos, signed_sin = shape.rope._tables(x.device, position_ids)
         qkv_width = qkv.shape[1]
         kv_width = kvheads * head_dim
         slots = checked_slots(slot_mapping, tokens, kv_caches, kvheads, head_dim)
@@ -194,7 +189,7 @@ class NativeDecoder:
             k.scatter_rows(
                 values_in_qkv, qkv_width, slots_ptr, value_cache.data_ptr(), tokens, kv_width
             )
-            self._attention(q_view, key_cache, value_cache, plan, self._scale, out=out_view)
+            self._attention(q_view, key_cache, value_cache, plan, shape.scale, out=out_view)
             k.linear_add(attended_ptr, layer.dense, x_ptr, tokens, heads * head_dim, hidden_dim)
             # x + GLU(norm(x)).
             k.rms_norm(
