@@ -86,23 +86,15 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return "the position encoding is not plain RoPE on the fast path"
         if not isinstance(ff, GatedLinearUnit):
             return "a feed-forward is not fms's gated linear unit"
-    shapes = {_layer_shape(layer) for layer in base.layers}
-    if len(shapes) != 1:
+    if len({StepShape.of_layer(layer) for layer in base.layers}) != 1:
         return "the layers differ in heads, sizes, scale or rotary embedding"
     return None
 
 
-def _layer_shape(layer: torch.nn.Module) -> tuple[object, ...]:
-    a = layer.attn
-    hidden_dim = layer.ff_sub_layer.hidden_dim
-    rope = id(a.position_encoder)
-    return (a.nheads, a.kvheads, a.emb_dim, a.emb_kq_per_head, a.scale_factor, rope, hidden_dim)
-
-
 @dataclass(frozen=True, slots=True)
 class StepShape:
-    """The sizes a decoder step takes from the model's layers (one shape in every layer, which
-    ``unsupported_reason`` checks)."""
+    """The sizes a decoder step takes from a layer (the decoders run models whose layers all have
+    one shape, which ``unsupported_reason`` checks; the rotary embedding compares by identity)."""
 
     nheads: int
     kvheads: int
@@ -115,19 +107,22 @@ class StepShape:
     rope: FastRotaryEmbedding
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> StepShape:
-        first = model.base_model.layers[0]
-        attn = first.attn
+    def of_layer(cls, layer: torch.nn.Module) -> StepShape:
+        attn = layer.attn
         return cls(
             attn.nheads,
             attn.kvheads,
             attn.emb_kq_per_head,
             attn.emb_dim,
-            first.ff_sub_layer.hidden_dim,
+            layer.ff_sub_layer.hidden_dim,
             attn.scale_factor,
             tuple(attn.in_proj.splits),
             attn.position_encoder,
         )
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> StepShape:
+        return cls.of_layer(model.base_model.layers[0])
 
     @property
     def scale(self) -> float:
@@ -170,7 +165,7 @@ class AtenDecoder:
         rotate = shape.rope._rotate
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
             # x + attention(norm(x)), as fms's LLaMABlock and MultiHeadAttention.
-            q, k, v = layer.qkv(layer.attn_norm(x)).split(list(shape.qkv_splits), dim=-1)
+            q, k, v = layer.qkv(layer.attn_norm(x)).split(shape.qkv_splits, dim=-1)
             queries = rotate(q.view(batch, seq, heads, head_dim), cos, signed_sin)
             keys = rotate(k.view(batch, seq, kvheads, head_dim), cos, signed_sin)
             values = v.view(batch, seq, kvheads, head_dim)

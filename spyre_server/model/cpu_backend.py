@@ -25,7 +25,7 @@ StepDecoder = Callable[
 ]
 """``(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens) -> logits``: a
 whole step, as the model's forward with our paged-attention op computes it
-(``cpu_model.cpu_decoder``: ``NativeDecoder`` or ``AtenDecoder``)."""
+(``cpu_model.cpu_decoder``: ``NativeDecoder``, ``NativeBf16Decoder`` or ``AtenDecoder``)."""
 
 
 class CpuModelRunner(ModelRunner):

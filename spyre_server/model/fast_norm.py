@@ -24,12 +24,18 @@ class FastRMSNorm(LayerNormParameterized):
             return self._float32_norm(x)
         if not self.use_high_precision_pow:
             return super().forward(x)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x)
-        return self.weight * normed
+        return self._upcast_norm(x)
 
     def _float32_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The plain RMS norm of float32 ``x`` (subclasses put another kernel here)."""
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def _upcast_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain RMS norm of lower-precision ``x`` as fms computes it with a float32 pow:
+        normalized on the upcast, rounded back, then scaled (subclasses put another kernel
+        here)."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x)
+        return self.weight * normed
 
 
 def use_fast_rms_norm(model: torch.nn.Module) -> int:

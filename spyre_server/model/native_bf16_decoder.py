@@ -26,7 +26,7 @@ from spyre_server.model.native_kernels import NativeKernels
 from spyre_server.model.paged_attention import (
     AttentionPlan,
     PagedAttentionKernel,
-    flash_attention,
+    attend,
 )
 from spyre_server.model.runner import KVCaches
 
@@ -95,19 +95,6 @@ class NativeBf16Decoder:
         dec_norm: NativeRMSNorm = base.dec_norm
         self._kernels: NativeKernels = dec_norm.native_kernels
 
-    def _attend(
-        self,
-        queries: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        plan: AttentionPlan,
-    ) -> torch.Tensor:
-        """The paged-attention op's compute, as ``paged_attention._compute`` calls it."""
-        if self._attention is None:
-            scale_factor = self._shape.scale_factor
-            return flash_attention(queries, key_cache, value_cache, plan, scale_factor)
-        return self._attention(queries, key_cache, value_cache, plan, self._shape.scale)
-
     def __call__(
         self,
         input_ids: torch.Tensor,
@@ -154,7 +141,9 @@ class NativeBf16Decoder:
                 kvheads,
                 head_dim,
             )
-            attended = self._attend(queries, key_cache, value_cache, plan)
+            attended = attend(
+                queries, key_cache, value_cache, plan, shape.scale_factor, self._attention
+            )
             out = layer.dense(attended.view(tokens, heads * head_dim))
             k.add_rms_norm_bf16(
                 x_ptr, out.data_ptr(), layer.ff_norm, normed_ptr, tokens, hidden_dim, layer.ff_eps

@@ -27,16 +27,9 @@ from spyre_server.model.native_kernels import NativeKernels
 class NativeRMSNorm(FastRMSNorm):
     native_kernels: NativeKernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.dtype != torch.bfloat16
-            or self.weight.dtype != torch.bfloat16
-            or not self.use_high_precision_pow
-            or self.use_mean
-            or self.elementwise_shift
-            or not self.elementwise_scale
-        ):
-            return super().forward(x)
+    def _upcast_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
+            return super()._upcast_norm(x)
         return self._native_norm(x, self.native_kernels.rms_norm_bf16)
 
     def _float32_norm(self, x: torch.Tensor) -> torch.Tensor:

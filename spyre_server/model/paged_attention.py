@@ -221,13 +221,27 @@ def _compute(
     **kwargs: Any,
 ) -> torch.Tensor:
     """``query``: ``[batch, num_queries, nheads, head_dim]`` -> the same shape."""
-    plan: AttentionPlan = kwargs["plan"]
-    kernel: PagedAttentionKernel | None = kwargs.get("attention_kernel")
-    if kernel is not None:
-        head_dim = query.shape[-1]
-        scale = scale_factor if scale_factor is not None else 1 / math.sqrt(head_dim)
-        return kernel(query, key_cache, value_cache, plan, scale)
-    return flash_attention(query, key_cache, value_cache, plan, scale_factor)
+    return attend(
+        query, key_cache, value_cache, kwargs["plan"], scale_factor, kwargs.get("attention_kernel")
+    )
+
+
+def attend(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale_factor: float | None,
+    kernel: PagedAttentionKernel | None,
+) -> torch.Tensor:
+    """The op's compute: ``query`` ``[batch, num_queries, nheads, head_dim]`` over the caches as
+    ``plan`` says, with ``kernel`` (None: SDPA's flash kernel) -> the same shape.
+    ``scale_factor`` as fms's attention holds it (None: ``1 / sqrt(head_dim)``)."""
+    if kernel is None:
+        return flash_attention(query, key_cache, value_cache, plan, scale_factor)
+    head_dim = query.shape[-1]
+    scale = scale_factor if scale_factor is not None else 1 / math.sqrt(head_dim)
+    return kernel(query, key_cache, value_cache, plan, scale)
 
 
 def flash_attention(
@@ -277,18 +291,7 @@ def store_and_attend(
     (``[batch, num_queries, nheads, head_dim]``) over the caches as ``plan`` says, with
     ``kernel`` (None: SDPA's flash kernel)."""
     _store(keys, values, key_cache, value_cache, slot_mapping=slot_mapping)
-    nheads, kvheads = queries.shape[2], keys.shape[2]
-    return _compute(
-        queries,
-        key_cache,
-        value_cache,
-        nheads,
-        kvheads,
-        0.0,
-        scale_factor,
-        plan=plan,
-        attention_kernel=kernel,
-    )
+    return attend(queries, key_cache, value_cache, plan, scale_factor, kernel)
 
 
 def _attend(

@@ -14,7 +14,6 @@ import torch
 from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder
 from spyre_server.model.native_bf16_decoder import NativeBf16Decoder, unsupported_reason
-from spyre_server.model.paged_attention import plan_attention
 from tests.conftest import needs_native_kernels
 from tests.spyre_server.test_aten_decoder import (
     BF16_LOGIT_TOL,
@@ -29,7 +28,11 @@ from tests.spyre_server.test_model_correctness import (
     full_forward_logits,
     max_abs,
 )
-from tests.spyre_server.test_native_decoder import replayed_on_fms, two_families
+from tests.spyre_server.test_native_decoder import (
+    assert_bad_slots_refused,
+    replayed_on_fms,
+    two_families,
+)
 
 pytestmark = needs_native_kernels
 
@@ -99,16 +102,7 @@ def test_slots_outside_the_cache_are_refused_before_any_write(
 ) -> None:
     """The KV store writes through raw pointers: a bad slot must be an error, not a write past
     the cache."""
-    decoder = NativeBf16Decoder(bf16_copy)
-    runner = CpuModelRunner(bf16_copy, num_blocks=4, block_size=BS, dtype=torch.bfloat16)
-    ids = torch.tensor([[1, 2]])
-    plan = plan_attention([[1]], [[0, 1]], BS)
-    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    for slots in ([BS, 4 * BS], [-1, BS], [BS]):
-        with pytest.raises(ValueError, match=r"slot_mapping must hold 2 slots in 0\.\.255"):
-            decoder(ids, torch.tensor([[0, 1]]), torch.tensor(slots), plan, runner.kv_caches, 1)
-    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
-        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert_bad_slots_refused(NativeBf16Decoder(bf16_copy), bf16_copy, torch.bfloat16)
 
 
 def test_cpu_decoder_picks_it_for_bfloat16_only(

@@ -15,7 +15,7 @@ import torch
 from fms.models import get_model
 
 from scheduler import ScheduledStep
-from spyre_server.model.cpu_backend import CpuModelRunner
+from spyre_server.model.cpu_backend import CpuModelRunner, StepDecoder
 from spyre_server.model.cpu_model import cpu_decoder, cpu_inference_copy
 from spyre_server.model.native_attention import NativePagedAttention
 from spyre_server.model.native_decoder import NativeDecoder, unsupported_reason
@@ -242,8 +242,14 @@ def test_slots_outside_the_cache_are_refused_before_any_write(
 ) -> None:
     """The KV scatter writes through raw pointers: a bad slot must be an error, not a write past
     the cache."""
-    decoder = NativeDecoder(native64, attention)
-    runner = CpuModelRunner(native64, num_blocks=4, block_size=BS, dtype=torch.float32)
+    assert_bad_slots_refused(NativeDecoder(native64, attention), native64, torch.float32)
+
+
+def assert_bad_slots_refused(
+    decoder: StepDecoder, model: torch.nn.Module, dtype: torch.dtype
+) -> None:
+    """Slots past the cache, negative, or one too few: refused before any write."""
+    runner = CpuModelRunner(model, num_blocks=4, block_size=BS, dtype=dtype)
     ids = torch.tensor([[1, 2]])
     plan = plan_attention([[1]], [[0, 1]], BS)
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
