@@ -11,7 +11,8 @@ residual add into the projection before it (``linear_add``).
 It covers what the native kernels compute: the fused QKV and GLU of fms's LLaMA, RMS norms with
 a scale only, plain RoPE with explicit positions, SiLU, no biases, no dropout, no per-head
 norms or sinks, head_dim 64 or 128. ``unsupported_reason`` says why another model is not
-covered; the runner then uses fms's forward.
+covered; the runner then uses the native bfloat16 or the aten decoder (``cpu_model.cpu_decoder``)
+or fms's forward.
 """
 
 from __future__ import annotations
