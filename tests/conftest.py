@@ -62,6 +62,17 @@ needs_native_kernels = _native_kernels_marker()
 """Marks a test of the cpu backend's native kernels (x86-64 with AVX2 and FMA)."""
 
 
+def _amx_marker() -> pytest.MarkDecorator:
+    from spyre_server.model.native_kernels import amx_unsupported_reason
+
+    reason = amx_unsupported_reason()
+    return pytest.mark.skipif(reason is not None, reason=f"the AMX kernel cannot run: {reason}")
+
+
+needs_amx = _amx_marker()
+"""Marks a test that runs the AMX attention kernel (a CPU with AMX; the AMD EPYC has none)."""
+
+
 def build_tiny_llama() -> torch.nn.Module:
     """A tiny random fms llama with GQA (4 query heads, 2 KV heads), float32, eval mode.
 

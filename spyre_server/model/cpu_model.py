@@ -15,8 +15,8 @@ buffer with it (only the module objects are new), then, on the copy only:
   (``resolve_linear_kernel``).
 
 ``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
-(``model.attention_kernel``; in bfloat16 ``auto`` is ours for decode steps and SDPA's flash
-for prefill chunks), and ``cpu_decoder`` its step without fms's module machinery: the native
+(``model.attention_kernel``; in bfloat16 ``auto`` is our AMX kernel where the CPU has AMX, else
+ours for decode steps and SDPA's flash for prefill chunks), and ``cpu_decoder`` its step without fms's module machinery: the native
 one (``native_decoder.py``) when both kernels are native, the native bfloat16 one
 (``native_bf16_decoder.py``) for a bfloat16 model on the native element-wise kernels, else the
 aten one (``aten_decoder.py``). A bfloat16 copy gets the native element-wise kernels whatever
@@ -53,6 +53,7 @@ from spyre_server.model.native_elementwise import use_native_elementwise
 from spyre_server.model.native_kernels import (
     NativeKernelError,
     NativeKernels,
+    amx_unsupported_reason,
     default_kernel_dir,
     load_native_kernels,
     unsupported_cpu_reason,
@@ -82,28 +83,44 @@ def resolve_linear_kernel(
     return requested
 
 
-AttentionKernel = Literal["auto", "native", "flash"]
+AttentionKernel = Literal["auto", "native", "amx", "mixed", "flash"]
 
 
 def resolve_attention_kernel(
     requested: AttentionKernel, dtype: torch.dtype, head_dim: int
-) -> Literal["native", "flash", "mixed"]:
+) -> Literal["native", "amx", "mixed", "flash"]:
     """The kernel ``model.attention_kernel`` stands for (``mixed``: native for decode steps,
-    flash for prefill chunks); raises LinearKernelError for ``native`` where it cannot compute
-    (a dtype other than float32 and bfloat16, a head_dim other than 64 and 128)."""
+    flash for prefill chunks); raises LinearKernelError for a kernel that cannot compute
+    ``dtype`` and ``head_dim`` here (``native`` and ``mixed``: float32 or bfloat16 with head_dim
+    64 or 128; ``amx``: bfloat16 with those head sizes on a CPU with AMX)."""
     supported = dtype in SUPPORTED_DTYPES and head_dim in SUPPORTED_HEAD_DIMS
     if requested == "auto":
         if not supported or unsupported_cpu_reason() is not None:
             return "flash"
-        # In bfloat16, SDPA's flash kernel multiplies the chunks' queries and keys natively
-        # (AMX, AVX512-BF16), ours in float32: flash is faster at prefill, ours at decode.
-        return "native" if dtype == torch.float32 else "mixed"
-    if requested == "native" and not supported:
+        if dtype == torch.float32:
+            return "native"
+        # In bfloat16: AMX multiplies bfloat16 for both the prefill chunks and the decode
+        # steps; without it, SDPA's flash kernel (AVX512-BF16) is faster at prefill chunks and
+        # ours (float32) at decode steps. RESULTS.md measures all three.
+        return "amx" if amx_unsupported_reason() is None else "mixed"
+    if requested in ("native", "mixed") and not supported:
         raise LinearKernelError(
-            f"model.attention_kernel 'native' computes float32 or bfloat16 with head_dim 64 or "
-            f"128, and the model runs {dtype} with head_dim {head_dim}; set "
+            f"model.attention_kernel '{requested}' computes float32 or bfloat16 with head_dim "
+            f"64 or 128, and the model runs {dtype} with head_dim {head_dim}; set "
             "model.attention_kernel: flash (or auto)"
         )
+    if requested == "amx":
+        if dtype != torch.bfloat16 or head_dim not in SUPPORTED_HEAD_DIMS:
+            raise LinearKernelError(
+                f"model.attention_kernel 'amx' computes bfloat16 with head_dim 64 or 128, and "
+                f"the model runs {dtype} with head_dim {head_dim}; set "
+                "model.attention_kernel: auto"
+            )
+        if (reason := amx_unsupported_reason()) is not None:
+            raise LinearKernelError(
+                f"model.attention_kernel 'amx' cannot run here: {reason}; set "
+                "model.attention_kernel: auto"
+            )
     return requested
 
 
@@ -120,14 +137,15 @@ def cpu_attention_kernel(
     if resolved == "flash":
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
+    kernels = _native_kernels(kernel_dir)
     if resolved == "mixed":
         logger.info(
             "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks (%s)",
             attention_kernel,
         )
-        return NativePagedAttention(_native_kernels(kernel_dir), prefill=False)
-    logger.info("cpu kernels: attention_kernel native (%s)", attention_kernel)
-    return NativePagedAttention(_native_kernels(kernel_dir))
+        return NativePagedAttention(kernels, prefill=False)
+    logger.info("cpu kernels: attention_kernel %s (%s)", resolved, attention_kernel)
+    return NativePagedAttention(kernels, amx=resolved == "amx")
 
 
 def cpu_decoder(

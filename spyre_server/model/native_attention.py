@@ -7,13 +7,18 @@ step) and each row's own blocks (causal), read in place from the cache through t
 merged through their log-sum-exps and written in fms's layout. The flash path gathers blocks
 that are not consecutive into copies and merges in aten ops. float32 or bfloat16 (computed in
 float32, the output rounded once), head_dim 64 or 128, x86-64 with AVX2 and FMA.
+
+With ``amx`` (bfloat16 only, ``kernels/attention_amx.cpp``) the same plan runs on the AMX tile
+unit: both products take bfloat16 and accumulate in float32, the softmax is float32, and its
+probabilities are rounded to bfloat16 for the product with the values, as SDPA's flash kernel
+does in bfloat16.
 """
 
 from __future__ import annotations
 
 import torch
 
-from spyre_server.model.native_kernels import NativeKernels
+from spyre_server.model.native_kernels import NativeKernels, amx_unsupported_reason
 from spyre_server.model.paged_attention import AttentionPlan, RowGroup, flash_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -43,12 +48,17 @@ def _name(dtype: torch.dtype) -> str:
 
 
 class NativePagedAttention:
-    def __init__(self, kernels: NativeKernels, *, prefill: bool = True) -> None:
+    def __init__(self, kernels: NativeKernels, *, prefill: bool = True, amx: bool = False) -> None:
         """``prefill`` False: queries of more than one position (prefill chunks) go to SDPA's
-        flash kernel instead (``model.attention_kernel: auto`` in bfloat16, where flash
-        multiplies bfloat16 natively and this kernel in float32: RESULTS.md measures both)."""
+        flash kernel instead (``model.attention_kernel: mixed``, where flash multiplies
+        bfloat16 natively and this kernel in float32: RESULTS.md measures both). ``amx``: the
+        AMX kernel for bfloat16 (raises ValueError where ``amx_unsupported_reason()`` says it
+        cannot run)."""
+        if amx and (reason := amx_unsupported_reason()) is not None:
+            raise ValueError(f"the AMX attention kernel cannot run here: {reason}")
         self._kernels = kernels
         self.prefill = prefill
+        self.amx = amx
         self._scratch = torch.empty(0)
         """Grown to the largest call so far and kept: 30 calls per step."""
 
@@ -72,6 +82,8 @@ class NativePagedAttention:
                 f"{query.dtype} with {head_dim}"
             )
         check_caches(key_cache, value_cache, head_dim, query.dtype)
+        if self.amx and query.dtype != torch.bfloat16:
+            raise ValueError(f"the AMX attention kernel takes bfloat16, not {query.dtype}")
         if not self.prefill and query.shape[1] > 1:
             attended = flash_attention(query, key_cache, value_cache, plan, scale)
             return attended if out is None else out.copy_(attended)
@@ -113,14 +125,16 @@ class NativePagedAttention:
             )
         threads = max(1, torch.get_num_threads())
         rows = batch * num_queries * (nheads // kvheads)
-        numel = self._kernels.paged_attention_scratch_numel(head_dim, kvheads, rows, threads)
+        lib = self._kernels
+        if self.amx:
+            kernel, scratch_numel = lib.paged_attention_amx, lib.paged_attention_amx_scratch_numel
+        elif query.dtype == torch.float32:
+            kernel, scratch_numel = lib.paged_attention, lib.paged_attention_scratch_numel
+        else:
+            kernel, scratch_numel = lib.paged_attention_bf16, lib.paged_attention_scratch_numel
+        numel = scratch_numel(head_dim, kvheads, rows, threads)
         if self._scratch.numel() < numel:
             self._scratch = torch.empty(numel)
-        kernel = (
-            self._kernels.paged_attention
-            if query.dtype == torch.float32
-            else self._kernels.paged_attention_bf16
-        )
         status = kernel(
             head_dim,
             query.data_ptr(),

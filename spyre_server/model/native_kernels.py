@@ -6,7 +6,9 @@ under a name that carries a hash of the sources and the compiler flags, so a cha
 builds anew and a stale library is never loaded. It is built with the C++ compiler (``$CXX``,
 else ``g++``) the first time it is needed, or ahead of time with
 ``python -m spyre_server.model.native_kernels`` (the image does this in a build stage, so the
-server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA.
+server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA; the AMX attention
+kernel is compiled on any x86-64 (its own target pragma) and runs where ``amx_unsupported_reason``
+says it can.
 
 This module imports neither torch nor the package at import time, so the image's build stage
 runs it alone (with ``--into``). ``load_native_kernels`` imports torch before the library: its
@@ -34,6 +36,7 @@ SOURCES = (
     KERNELS / "attention.cpp",
     KERNELS / "elementwise_f32.cpp",
     KERNELS / "elementwise_bf16.cpp",
+    KERNELS / "attention_amx.cpp",
 )
 HEADERS = (KERNELS / "avx2_math.h", KERNELS / "bf16_avx2.h")
 """Included by the sources: hashed into the library's name with them."""
@@ -49,6 +52,19 @@ FLAGS = (
     "-fPIC",
 )
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
+AMX_CPU_FLAGS = (
+    "amx_tile",
+    "amx_bf16",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+)
+"""What ``kernels/attention_amx.cpp`` runs on (compiled for them whatever the build machine)."""
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
 
 
 class NativeKernelError(RuntimeError):
@@ -97,6 +113,23 @@ def unsupported_cpu_reason() -> str | None:
         return "the CPU's flags cannot be read from /proc/cpuinfo to check for AVX2 and FMA"
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+@functools.cache
+def amx_unsupported_reason() -> str | None:
+    """Why the AMX attention kernel cannot run in this process, or None when it can: the CPU's
+    flags, then Linux's grant of the AMX tile state to the process (asked for here, once; every
+    thread may then use the tiles)."""
+    if reason := unsupported_cpu_reason():
+        return reason
+    missing = [f for f in AMX_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        errno = ctypes.get_errno()
+        return f"Linux refused the process the AMX tile state ({os.strerror(errno)})"
+    return None
 
 
 def build(directory: Path) -> Path:
@@ -160,6 +193,11 @@ class NativeKernels:
     other than 64 and 128: see ``kernels/attention.cpp``."""
     paged_attention_bf16: Callable[..., int]
     """``paged_attention`` with bfloat16 queries, caches and output (float32 scratch)."""
+    paged_attention_amx_scratch_numel: Callable[[int, int, int, int], int]
+    """``paged_attention_scratch_numel`` for ``paged_attention_amx``."""
+    paged_attention_amx: Callable[..., int]
+    """``paged_attention_bf16`` on AMX tiles (``kernels/attention_amx.cpp``): only where
+    ``amx_unsupported_reason()`` is None."""
     rms_norm: Callable[[int, int, int, int, int, int, float], None]
     """(x, ldx, weight, out, M, N, eps): see ``kernels/elementwise_f32.cpp``."""
     silu_mul: Callable[[int, int, int, int], None]
@@ -212,6 +250,10 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_paged_attention_f32.restype = ctypes.c_int
     lib.spyre_paged_attention_bf16.argtypes = lib.spyre_paged_attention_f32.argtypes
     lib.spyre_paged_attention_bf16.restype = ctypes.c_int
+    lib.spyre_paged_attention_amx_scratch_numel.argtypes = [i64, i64, i64, i64]
+    lib.spyre_paged_attention_amx_scratch_numel.restype = i64
+    lib.spyre_paged_attention_amx.argtypes = lib.spyre_paged_attention_f32.argtypes
+    lib.spyre_paged_attention_amx.restype = ctypes.c_int
     lib.spyre_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
     lib.spyre_rms_norm_f32.restype = None
     lib.spyre_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -240,6 +282,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
         paged_attention=lib.spyre_paged_attention_f32,
         paged_attention_bf16=lib.spyre_paged_attention_bf16,
+        paged_attention_amx_scratch_numel=lib.spyre_paged_attention_amx_scratch_numel,
+        paged_attention_amx=lib.spyre_paged_attention_amx,
         rms_norm=lib.spyre_rms_norm_f32,
         silu_mul=lib.spyre_silu_mul_f32,
         rope=lib.spyre_rope_f32,

@@ -1,4 +1,4 @@
-"""Our paged-attention kernel (``model.attention_kernel: native``).
+"""Our paged-attention kernels (``model.attention_kernel: native`` and ``amx``).
 
 Oracles: softmax attention in float64 over each query's causal context (the kernel alone and the
 paged-attention op), and a plain full forward of fms (the steps of a model run through it).
@@ -6,7 +6,8 @@ Tolerances: float32 attention over at most a few hundred keys agrees with float6
 2e-5 leaves room for the polynomial exp (relative error ~1e-7) summed over the keys. In bfloat16
 the kernel computes in float32 on the (exact) widened inputs and rounds its output once: the
 float64 oracle over the same bfloat16 inputs, within half a bfloat16 step (2**-8 relative) on
-top.
+top. The AMX kernel also rounds each probability to bfloat16 before the product with the values
+(as SDPA's flash kernel does): at most 2**-9 of each term p * v, so 2**-9 * max |v| more.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ import pytest
 import torch
 from fms.models import get_model
 
-from spyre_server.model import cpu_model, native_kernels, paged_attention
+from spyre_server.model import cpu_model, native_attention, native_kernels, paged_attention
 from spyre_server.model.cpu_model import cpu_attention_kernel, resolve_attention_kernel
 from spyre_server.model.native_attention import NativePagedAttention
-from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
+from spyre_server.model.native_kernels import (
+    amx_unsupported_reason,
+    default_kernel_dir,
+    load_native_kernels,
+)
 from spyre_server.model.packed_linear import LinearKernelError
 from spyre_server.model.paged_attention import RowGroup, plan_attention
-from tests.conftest import needs_native_kernels
+from tests.conftest import needs_amx, needs_native_kernels
 from tests.spyre_server.test_model_correctness import (
     BS,
     LOGIT_TOL,
@@ -49,17 +54,19 @@ def run_kernel(
     value_cache: torch.Tensor,
     group: RowGroup,
     threads: int,
+    amx: bool = False,
 ) -> torch.Tensor:
-    """The kernel called directly (float32 or bfloat16, as the query), with ``threads`` key
-    ranges and tasks' scratch areas."""
+    """The kernel called directly (float32 or bfloat16, as the query; ``amx``: the AMX one),
+    with ``threads`` key ranges and tasks' scratch areas, scratch and output NaN before."""
     lib = kernels()
     kernel = lib.paged_attention if query.dtype == torch.float32 else lib.paged_attention_bf16
+    scratch_numel = lib.paged_attention_scratch_numel
+    if amx:
+        kernel, scratch_numel = lib.paged_attention_amx, lib.paged_attention_amx_scratch_numel
     batch, num_queries, nheads, head_dim = query.shape
     _, block_size, kvheads, _ = key_cache.shape
     rows = batch * num_queries * (nheads // kvheads)
-    scratch = torch.full(
-        (lib.paged_attention_scratch_numel(head_dim, kvheads, rows, threads),), math.nan
-    )
+    scratch = torch.full((scratch_numel(head_dim, kvheads, rows, threads),), math.nan)
     out = torch.full_like(query, math.nan)
     status = kernel(
         head_dim, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_size,
@@ -98,6 +105,37 @@ CASES = [
 ]
 
 
+def attention_case(
+    dtype: torch.dtype,
+    head_dim: int,
+    kvheads: int,
+    group: int,
+    block_size: int,
+    shared: int,
+    own: list[int],
+    num_queries: int,
+    offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], list[list[int]]]:
+    """``(query, key_cache, value_cache, tables, positions)`` of one of CASES: scattered block
+    ids, a decode row's query somewhere in its last block, a chunk's at ``offset`` into the
+    own blocks."""
+    torch.manual_seed(head_dim + kvheads + num_queries)
+    tables = scattered_tables(64, shared, own, seed=num_queries)
+    positions = []
+    for table in tables:
+        if offset is None:  # decode: somewhere in the row's last block
+            last = len(table) * block_size - 1 - int(torch.randint(block_size, ()))
+            positions.append([last])
+        else:
+            first = shared * block_size + offset
+            positions.append(list(range(first, first + num_queries)))
+            assert positions[-1][-1] < len(table) * block_size
+    key_cache = torch.randn(64, block_size, kvheads, head_dim).to(dtype)
+    value_cache = torch.randn(64, block_size, kvheads, head_dim).to(dtype)
+    query = torch.randn(len(tables), len(positions[0]), kvheads * group, head_dim).to(dtype)
+    return query, key_cache, value_cache, tables, positions
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
@@ -116,20 +154,9 @@ def test_kernel_matches_float64_attention(
     """Against softmax attention in float64 over each query's whole causal context, with the
     keys split over 1, 2 and 5 ranges (5 leave some empty), read in place through scattered
     block ids."""
-    torch.manual_seed(head_dim + kvheads + num_queries)
-    tables = scattered_tables(64, shared, own, seed=num_queries)
-    positions = []
-    for table in tables:
-        if offset is None:  # decode: somewhere in the row's last block
-            last = len(table) * block_size - 1 - int(torch.randint(block_size, ()))
-            positions.append([last])
-        else:
-            first = shared * block_size + offset
-            positions.append(list(range(first, first + num_queries)))
-            assert positions[-1][-1] < len(table) * block_size
-    key_cache = torch.randn(64, block_size, kvheads, head_dim).to(dtype)
-    value_cache = torch.randn(64, block_size, kvheads, head_dim).to(dtype)
-    query = torch.randn(len(tables), len(positions[0]), kvheads * group, head_dim).to(dtype)
+    query, key_cache, value_cache, tables, positions = attention_case(
+        dtype, head_dim, kvheads, group, block_size, shared, own, num_queries, offset
+    )
     plan = plan_attention(tables, positions, block_size)
     assert len(plan.groups) == 1
     if len(tables) > 1:
@@ -145,12 +172,67 @@ def test_kernel_matches_float64_attention(
         assert float(error.max()) < TOL, threads
 
 
+@needs_amx
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
+@pytest.mark.parametrize(("block_size", "shared", "own", "num_queries", "offset"), CASES)
+def test_amx_kernel_matches_float64_attention(
+    head_dim: int,
+    kvheads: int,
+    group: int,
+    block_size: int,
+    shared: int,
+    own: list[int],
+    num_queries: int,
+    offset: int | None,
+) -> None:
+    """The AMX kernel on the same cases (64-key tiles across 16- and 64-token blocks, 16-row
+    tiles past the rows' end), against float64 attention over the same bfloat16 values."""
+    query, key_cache, value_cache, tables, positions = attention_case(
+        torch.bfloat16, head_dim, kvheads, group, block_size, shared, own, num_queries, offset
+    )
+    plan = plan_attention(tables, positions, block_size)
+    want = naive_attention(
+        query.double(), key_cache.double(), value_cache.double(), tables, positions
+    )
+    probabilities = 2.0**-9 * float(value_cache.double().abs().max())
+    for threads in (1, 2, 5):
+        got = run_kernel(query, key_cache, value_cache, plan.groups[0], threads, amx=True)
+        assert got.dtype == torch.bfloat16
+        error = (got.double() - want).abs() - 2.0**-8 * want.abs() - probabilities
+        assert float(error.max()) < TOL, threads
+
+
+@needs_amx
+def test_amx_rows_never_see_later_keys() -> None:
+    """A 100-query chunk whose last position's key and value are changed to large values: every
+    other row's output is the same bits (the masked keys share the rows' tiles), the last one's
+    moves."""
+    block_size, kvheads, head_dim = 16, 3, 64
+    tables = [[5, 9, 2, 7, 11, 3, 8, 1]]
+    positions = [list(range(20, 120))]
+    plan = plan_attention(tables, positions, block_size)
+    torch.manual_seed(7)
+    key_cache = torch.randn(12, block_size, kvheads, head_dim).bfloat16()
+    value_cache = torch.randn(12, block_size, kvheads, head_dim).bfloat16()
+    query = torch.randn(1, 100, kvheads * 3, head_dim).bfloat16()
+    before = run_kernel(query, key_cache, value_cache, plan.groups[0], 2, amx=True)
+    last_block, last_offset = tables[0][119 // block_size], 119 % block_size
+    key_cache[last_block, last_offset] = 300.0
+    value_cache[last_block, last_offset] = -1000.0
+    after = run_kernel(query, key_cache, value_cache, plan.groups[0], 2, amx=True)
+    assert torch.equal(after[:, :99], before[:, :99])
+    assert not torch.equal(after[:, 99], before[:, 99])
+
+
 def test_the_kernel_refuses_other_head_dims() -> None:
     lib = kernels()
     assert lib.paged_attention_scratch_numel(48, 1, 1, 1) == -1
+    assert lib.paged_attention_amx_scratch_numel(48, 1, 1, 1) == -1
     null = 0
     args = (null, null, null, 16, 1, 1, 1, 1, null, 0, null, 1, null, 1.0, 1, null, null)
     assert lib.paged_attention(48, *args) == 1
+    assert lib.paged_attention_amx(48, *args) == 1  # before any AMX instruction
 
 
 def test_the_wrapper_checks_its_input() -> None:
@@ -250,26 +332,89 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
     assert resolve_attention_kernel("auto", torch.float32, 64) == "native"
     assert resolve_attention_kernel("auto", torch.float32, 128) == "native"
     assert resolve_attention_kernel("auto", torch.float32, 48) == "flash"
-    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "mixed"
     assert resolve_attention_kernel("native", torch.bfloat16, 64) == "native"
+    assert resolve_attention_kernel("mixed", torch.float32, 64) == "mixed"
     assert resolve_attention_kernel("flash", torch.float32, 64) == "flash"
     with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*head_dim 48"):
         resolve_attention_kernel("native", torch.float32, 48)
-    with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*float16"):
-        resolve_attention_kernel("native", torch.float16, 64)
+    with pytest.raises(LinearKernelError, match=r"attention_kernel 'mixed'.*float16"):
+        resolve_attention_kernel("mixed", torch.float16, 64)
+    with pytest.raises(LinearKernelError, match=r"attention_kernel 'amx'.*float32 with head_dim"):
+        resolve_attention_kernel("amx", torch.float32, 64)
+    # bfloat16: amx where the CPU has it, else mixed; amx itself refuses with the reason.
+    monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: None)
+    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "amx"
+    assert resolve_attention_kernel("amx", torch.bfloat16, 128) == "amx"
+    monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: "this CPU lacks amx_bf16")
+    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "mixed"
+    with pytest.raises(LinearKernelError, match=r"'amx' cannot run here: this CPU lacks amx_bf16"):
+        resolve_attention_kernel("amx", torch.bfloat16, 64)
     monkeypatch.setattr(cpu_model, "unsupported_cpu_reason", lambda: "this CPU lacks avx2")
     assert resolve_attention_kernel("auto", torch.float32, 64) == "flash"
+    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "flash"
 
 
 def test_the_runner_gets_our_kernel_or_none() -> None:
     native = cpu_attention_kernel("auto", dtype=torch.float32, head_dim=64)
-    assert isinstance(native, NativePagedAttention) and native.prefill
-    mixed = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
-    assert isinstance(mixed, NativePagedAttention) and not mixed.prefill
+    assert isinstance(native, NativePagedAttention) and native.prefill and not native.amx
+    auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
+    assert isinstance(auto, NativePagedAttention)
+    if amx_unsupported_reason() is None:
+        assert auto.prefill and auto.amx
+    else:
+        assert not auto.prefill and not auto.amx
+    mixed = cpu_attention_kernel("mixed", dtype=torch.bfloat16, head_dim=64)
+    assert isinstance(mixed, NativePagedAttention) and not mixed.prefill and not mixed.amx
     native = cpu_attention_kernel("native", dtype=torch.bfloat16, head_dim=64)
-    assert isinstance(native, NativePagedAttention) and native.prefill
+    assert isinstance(native, NativePagedAttention) and native.prefill and not native.amx
     assert cpu_attention_kernel("auto", dtype=torch.float32, head_dim=48) is None
     assert cpu_attention_kernel("flash", dtype=torch.float32, head_dim=64) is None
+
+
+def test_the_amx_wrapper_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        native_attention, "amx_unsupported_reason", lambda: "this CPU lacks amx_tile"
+    )
+    with pytest.raises(ValueError, match=r"AMX attention kernel cannot run here: .*amx_tile"):
+        NativePagedAttention(kernels(), amx=True)
+    monkeypatch.setattr(native_attention, "amx_unsupported_reason", lambda: None)
+    cache = torch.randn(6, BS, 2, 64)
+    with pytest.raises(
+        ValueError, match=r"AMX attention kernel takes bfloat16, not torch\.float32"
+    ):
+        NativePagedAttention(kernels(), amx=True)(
+            torch.randn(1, 1, 4, 64), cache, cache, plan_attention([[1]], [[5]], BS), 0.125
+        )
+
+
+@needs_amx
+def test_the_amx_wrapper_runs_every_row_group() -> None:
+    """Through the wrapper: a decode batch of two row groups (two families and a lone row) and
+    a prefill chunk, against float64 attention over the same bfloat16 values."""
+    torch.manual_seed(5)
+    nheads, kvheads, head_dim = 6, 2, 64
+    key_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
+    value_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
+    amx = NativePagedAttention(kernels(), amx=True)
+    probabilities = 2.0**-9 * float(value_cache.double().abs().max())
+    for tables, positions, num_groups in (
+        (
+            [[1, 2, 3, 4], [1, 2, 3, 5], [6, 7, 8], [6, 7, 9], [10, 11]],
+            [[250], [200], [130], [140], [70]],
+            3,
+        ),
+        ([[7, 8, 9]], [list(range(130, 160))], 1),
+    ):
+        plan = plan_attention(tables, positions, BS)
+        assert len(plan.groups) == num_groups
+        query = torch.randn(len(tables), len(positions[0]), nheads, head_dim).bfloat16()
+        got = amx(query, key_cache, value_cache, plan, 0.125)
+        want = naive_attention(
+            query.double(), key_cache.double(), value_cache.double(), tables, positions
+        )
+        assert got.dtype == torch.bfloat16
+        error = (got.double() - want).abs() - 2.0**-8 * want.abs() - probabilities
+        assert float(error.max()) < TOL
 
 
 def test_native_attention_on_a_head_dim_it_cannot_compute_fails_at_start(

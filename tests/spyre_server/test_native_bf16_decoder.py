@@ -14,7 +14,7 @@ import torch
 from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder
 from spyre_server.model.native_bf16_decoder import NativeBf16Decoder, unsupported_reason
-from tests.conftest import needs_native_kernels
+from tests.conftest import needs_amx, needs_native_kernels
 from tests.spyre_server.test_aten_decoder import (
     BF16_LOGIT_TOL,
     bf16_linear_kernel,
@@ -42,7 +42,10 @@ def bf16_copy(model64: torch.nn.Module) -> torch.nn.Module:  # noqa: F811
     return copy_of(model64, torch.bfloat16, bf16_linear_kernel())
 
 
-@pytest.mark.parametrize("attention_kernel", ["auto", "native", "flash"])
+@pytest.mark.parametrize(
+    "attention_kernel",
+    ["auto", "native", "mixed", "flash", pytest.param("amx", marks=needs_amx)],
+)
 def test_every_step_is_the_fms_forward_bit_for_bit(
     bf16_copy: torch.nn.Module, attention_kernel: str
 ) -> None:
