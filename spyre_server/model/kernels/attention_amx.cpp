@@ -50,20 +50,19 @@ inline void configure_tiles() {
     _tile_loadconfig(&cfg);
 }
 
-// e^x for x <= 0 (larger x are not needed: x is a score minus its row's max).
-inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+// 2^y for y <= 0 (larger y are not needed: y is a scaled score minus its row's max); relative
+// error ~3e-6 (a degree-5 polynomial on [-1/2, 1/2]), 1000 times finer than the bfloat16 the
+// probabilities are rounded to. Below -126 it is 2^-126.
+inline __m512 exp2_512(__m512 y) {
+    y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -172,9 +171,10 @@ inline __mmask16 visible_mask(int64_t nv, int64_t k) {
 
 // The 16 rows q [kRows][D] (bfloat16) against the tile in w: row i sees the tile's first
 // visible[i] keys (0: none, and its state is untouched). Their online-softmax states are
-// o [kRows][D], m [kRows] and l [kRows][16] (each row's sum in 16 lanes, added at the end).
+// o [kRows][D], m [kRows] (in log2 units: scale2 is the scale times log2(e)) and l [kRows][16]
+// (each row's sum in 16 lanes, added at the end).
 template <int64_t D>
-void attend_rows(const uint16_t* q, const int64_t* visible, float scale, Work<D>& w, float* o,
+void attend_rows(const uint16_t* q, const int64_t* visible, float scale2, Work<D>& w, float* o,
                  float* m, float* l) {
     static_assert(kKeys == 64, "four score tiles, two probability tiles");
     _tile_zero(0);
@@ -193,24 +193,24 @@ void attend_rows(const uint16_t* q, const int64_t* visible, float scale, Work<D>
         _tile_dpbf16ps(2, 4, 7);
         _tile_dpbf16ps(3, 4, 5);
     }
-    for (int j = 0; j < 4; j++) {
-        switch (j) {  // tile numbers are immediates
-            case 0: _tile_stored(0, w.s, kKeys * 4); break;
-            case 1: _tile_stored(1, w.s + 16, kKeys * 4); break;
-            case 2: _tile_stored(2, w.s + 32, kKeys * 4); break;
-            default: _tile_stored(3, w.s + 48, kKeys * 4); break;
-        }
-    }
-    alignas(64) float rescale[kRows];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    _tile_stored(0, w.s, kKeys * 4);
+    _tile_stored(1, w.s + 16, kKeys * 4);
+    _tile_stored(2, w.s + 32, kKeys * 4);
+    _tile_stored(3, w.s + 48, kKeys * 4);
+    // Per row: the tile's max, the probabilities 2^(scale2 * s - new max), their sum. The old
+    // maxes' rescale factors are computed after, for the 16 rows at once.
+    alignas(64) float old_max[kRows], new_max[kRows], rescale[kRows];
+    alignas(64) float sums[kRows][16];
+    const __m512 vscale = _mm512_set1_ps(scale2);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < kRows; i++) {
         const int64_t nv = visible[i];
         __m512i* prow = reinterpret_cast<__m512i*>(w.p + i * kKeys);
+        old_max[i] = new_max[i] = m[i];
         if (nv <= 0) {
             _mm512_store_si512(prow, _mm512_setzero_si512());
             _mm512_store_si512(prow + 1, _mm512_setzero_si512());
-            rescale[i] = 1.0f;
+            _mm512_store_ps(sums[i], _mm512_setzero_ps());
             continue;
         }
         __m512 x[4];
@@ -218,23 +218,26 @@ void attend_rows(const uint16_t* q, const int64_t* visible, float scale, Work<D>
         __m512 vmax = ninf;
         for (int k = 0; k < 4; k++) {
             mk[k] = visible_mask(nv, k);
-            x[k] = _mm512_mul_ps(_mm512_load_ps(w.s + i * kKeys + 16 * k), vscale);
+            x[k] = _mm512_load_ps(w.s + i * kKeys + 16 * k);
             vmax = _mm512_mask_max_ps(vmax, mk[k], vmax, x[k]);
         }
-        const float tile_max = _mm512_reduce_max_ps(vmax);
-        const float new_max = tile_max > m[i] ? tile_max : m[i];
-        // ~0 on the row's first tile (m = -inf), where o and l are 0.
-        const __m512 vrescale = exp512(_mm512_set1_ps(m[i] - new_max));
-        const __m512 vnew = _mm512_set1_ps(new_max);
+        const float tile_max = _mm512_reduce_max_ps(vmax) * scale2;  // scale2 > 0
+        const float row_max = tile_max > m[i] ? tile_max : m[i];
+        const __m512 vnew = _mm512_set1_ps(row_max);
         __m512 e[4];
-        for (int k = 0; k < 4; k++) e[k] = _mm512_maskz_mov_ps(mk[k], exp512(_mm512_sub_ps(x[k], vnew)));
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
-        _mm512_store_ps(l + 16 * i, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * i), vrescale, sum));
-        m[i] = new_max;
-        rescale[i] = _mm512_cvtss_f32(vrescale);
+        for (int k = 0; k < 4; k++)
+            e[k] = _mm512_maskz_mov_ps(mk[k], exp2_512(_mm512_fmsub_ps(x[k], vscale, vnew)));
+        _mm512_store_ps(sums[i], _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+        m[i] = new_max[i] = row_max;
         _mm512_store_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
         _mm512_store_si512(prow + 1, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
     }
+    // 1 for a row whose max did not move (or that saw nothing); ~0 on a row's first tile
+    // (old max -inf), where o and l are 0.
+    _mm512_store_ps(rescale, exp2_512(_mm512_sub_ps(_mm512_load_ps(old_max), _mm512_load_ps(new_max))));
+    for (int64_t i = 0; i < kRows; i++)
+        _mm512_store_ps(l + 16 * i, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * i), _mm512_set1_ps(rescale[i]),
+                                                    _mm512_load_ps(sums[i])));
     _tile_loadd(4, w.p, kKeys * 2);
     _tile_loadd(5, w.p + 32, kKeys * 2);
     for (int64_t e0 = 0; e0 < D / 16; e0 += 4) {
@@ -300,10 +303,10 @@ struct Layout {
 };
 
 // The shared blocks: every row of every head against keys [0, L) of ctx, in `threads` key ranges
-// (one task per range, over every head), merged into out [H][Rp][D] and lse [H][Rp].
+// (one task per range, over every head), merged into out [H][Rp][D] and lse [H][Rp] (log2).
 template <int64_t D>
 void shared_part(const uint16_t* qs, const Layout<D>& lay, const Context& ctx, int64_t L,
-                 float scale, float* states, float* works, float* out, float* lse) {
+                 float scale2, float* states, float* works, float* out, float* lse) {
     const int64_t H = lay.H, R = lay.R, Rp = lay.Rp(), Rq = lay.Rq(), splits = lay.threads;
     const int64_t state = lay.state();
     const int64_t range = ((L + splits - 1) / splits + kKeys - 1) / kKeys * kKeys;
@@ -324,7 +327,7 @@ void shared_part(const uint16_t* qs, const Layout<D>& lay, const Context& ctx, i
                 float* o = states + (h * splits + sp) * state;
                 for (int64_t r0 = 0; r0 < R; r0 += kRows) {
                     for (int64_t i = 0; i < kRows; i++) visible[i] = r0 + i < R ? nk : 0;
-                    attend_rows<D>(qs + (h * Rq + r0) * D, visible, scale, w, o + r0 * D,
+                    attend_rows<D>(qs + (h * Rq + r0) * D, visible, scale2, w, o + r0 * D,
                                    o + Rp * D + r0, o + Rp * D + Rp + 16 * r0);
                 }
             }
@@ -345,12 +348,12 @@ void shared_part(const uint16_t* qs, const Layout<D>& lay, const Context& ctx, i
             const float* st = states + (h * splits + sp) * state;
             const float l = row_sum(st + Rp * D + Rp + 16 * r);
             if (l == 0.0f) continue;  // an empty range
-            const float f = expf(st[Rp * D + r] - max);
+            const float f = exp2f(st[Rp * D + r] - max);
             total += l * f;
             for (int64_t d = 0; d < D; d++) acc[d] += st[r * D + d] * f;
         }
         for (int64_t d = 0; d < D; d++) out[(h * Rp + r) * D + d] = acc[d] / total;
-        lse[h * Rp + r] = max + logf(total);
+        lse[h * Rp + r] = max + log2f(total);
     }
 }
 
@@ -371,6 +374,7 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                      float* scratch, uint16_t* out) {
     const int64_t Rb = nq * G;  // rows per head of one sequence
     const Layout<D> lay{H, n * Rb, threads};
+    const float scale2 = scale * 1.44269504088896341f;  // the softmax in powers of 2
     const int64_t R = lay.R, Rp = lay.Rp(), Rq = lay.Rq(), ldk = H * D, shared_len = num_shared * bs;
     uint16_t* qs = reinterpret_cast<uint16_t*>(scratch);
     float* shared_out = scratch + lay.qs();
@@ -388,7 +392,7 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
     }
     if (num_shared > 0) {
         const Context ctx{k_cache, v_cache, shared_blocks, bs, ldk};
-        shared_part<D>(qs, lay, ctx, shared_len, scale, states, works, shared_out, shared_lse);
+        shared_part<D>(qs, lay, ctx, shared_len, scale2, states, works, shared_out, shared_lse);
     }
     // The own blocks: one task per (sequence, head, block of kOwnRows rows), causal.
     const int64_t row_blocks = (Rb + kOwnRows - 1) / kOwnRows;
@@ -425,7 +429,7 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                         const int64_t seen = limits[i0 + i] - t0;
                         visible[i] = seen < 0 ? 0 : seen < nk ? seen : nk;
                     }
-                    attend_rows<D>(qrows + i0 * D, visible, scale, w, o + i0 * D, m + i0, l + 16 * i0);
+                    attend_rows<D>(qrows + i0 * D, visible, scale2, w, o + i0 * D, m + i0, l + 16 * i0);
                 }
             }
             // Merge with the shared part through the log-sum-exps, into out's layout.
@@ -437,8 +441,8 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                 if (num_shared > 0) {
                     const float s_lse = shared_lse[h * Rp + r];
                     const float mx = m[i] > s_lse ? m[i] : s_lse;
-                    own_w = expf(m[i] - mx);
-                    shared_w = expf(s_lse - mx);
+                    own_w = exp2f(m[i] - mx);
+                    shared_w = exp2f(s_lse - mx);
                 }
                 const float inv = 1.0f / (row_sum(l + 16 * i) * own_w + shared_w);
                 for (int64_t d = 0; d < D; d++)
