@@ -311,10 +311,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--attention-kernel",
-        choices=("auto", "native", "flash"),
+        choices=("auto", "native", "amx", "mixed", "flash"),
         default="auto",
-        help="model.attention_kernel: auto (the server's default: ours, or in bfloat16 ours for "
-        "decode steps and flash for prefill chunks), ours, or SDPA's flash kernel",
+        help="model.attention_kernel: auto (the server's default: ours; in bfloat16 our AMX "
+        "kernel where the CPU has AMX, else mixed), ours, ours on AMX (bfloat16), mixed (ours for "
+        "decode steps, flash for prefill chunks), or SDPA's flash kernel",
     )
     parser.add_argument(
         "--fms-forward",

@@ -1,0 +1,126 @@
+"""The paged-attention kernels side by side in bfloat16, at issue 12's shapes, in one run.
+
+Run: ``.venv/bin/python bench/bench_attention.py [--threads 2]`` (about a minute; nothing else may
+run meanwhile). SmolLM2-135M's attention (9 query / 3 KV heads of 64) over a bfloat16 paged cache
+of 64-token blocks, every layer's cache a distinct tensor (each timing runs the 30 layers, so the
+K/V come from memory as in a real step), the shared prefix in scattered blocks as a server's
+recycled blocks are. Per workload and kernel: ms per layer, GFLOP/s (the two products; the
+causal part counted in full), and each kernel's time over the AMX kernel's. Kernels (the values
+of ``model.attention_kernel``): ``amx`` (where the CPU has AMX), ``native`` (float32 compute) and
+``flash`` (SDPA's flash kernel on gathered copies); ``mixed`` is native's decode and flash's
+prefill rows.
+
+Workloads: a decode step of 8 rows over a 1,536-token shared prefix (+ 2 own blocks each), a
+warm prefill of 64 new tokens after it, and 256-token chunks of a cold prefill at 1,024 and
+1,792 tokens of context. Limits printed first: a streaming read, and a bfloat16 2048^3 matrix
+product (oneDNN, on AMX where the CPU has it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from bench_kernels import BLOCK, GROUP, HEAD_DIM, KV_HEADS, LAYERS, PREFIX_BLOCKS, seconds
+
+from spyre_server.model.native_attention import NativePagedAttention
+from spyre_server.model.native_kernels import (
+    amx_unsupported_reason,
+    default_kernel_dir,
+    load_native_kernels,
+)
+from spyre_server.model.paged_attention import AttentionPlan, attend, plan_attention
+
+NUM_BLOCKS = 200
+
+
+def limits() -> tuple[float, float]:
+    """(GB/s streaming read, GFLOP/s of a bfloat16 2048^3 matrix product)."""
+    big = torch.randn(100_000_000)
+    read = big.numel() * 4 / seconds(big.sum) / 1e9
+    a = torch.randn(2048, 2048).bfloat16()
+    return read, 2 * 2048**3 / seconds(lambda: a @ a) / 1e9
+
+
+def workloads() -> list[tuple[str, list[list[int]], list[list[int]]]]:
+    """(name, block tables, query positions)."""
+    shared = list(range(2, 2 * PREFIX_BLOCKS + 2, 2))  # every other block: never a span
+    prefix = PREFIX_BLOCKS * BLOCK
+    cold = list(range(3, 3 + 2 * 28, 2))  # a lone request's blocks, scattered
+    return [
+        (
+            "decode, 8 rows over 1,536 shared tokens",
+            [[*shared, 100 + 2 * r, 101 + 2 * r] for r in range(8)],
+            [[prefix + BLOCK + 50] for _ in range(8)],
+        ),
+        (
+            "warm prefill, 64 tokens after 1,536",
+            [[*shared, 100]],
+            [list(range(prefix, prefix + 64))],
+        ),
+        ("prefill chunk, 256 tokens at 768-1,024", [cold[:16]], [list(range(768, 1024))]),
+        ("prefill chunk, 256 tokens at 1,536-1,792", [cold[:28]], [list(range(1536, 1792))]),
+    ]
+
+
+def per_layer(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    plan: AttentionPlan,
+    kernel: NativePagedAttention | None,
+) -> float:
+    """Seconds per layer of the op's compute with ``kernel`` (None: flash) over every layer."""
+
+    def run() -> None:
+        for i in range(LAYERS):
+            attend(query, keys[i], values[i], plan, None, kernel)
+
+    return seconds(run) / LAYERS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    read, gemm = limits()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bfloat16")
+    print(
+        f"limits: streaming read {read:.1f} GB/s, bfloat16 2048^3 matrix product {gemm:.0f} GFLOP/s"
+    )
+    lib = load_native_kernels(default_kernel_dir())
+    kernels: dict[str, NativePagedAttention | None] = {"native": NativePagedAttention(lib)}
+    if (reason := amx_unsupported_reason()) is None:
+        kernels = {"amx": NativePagedAttention(lib, amx=True), **kernels}
+    else:
+        print(f"amx: not run ({reason})")
+    kernels["flash"] = None
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    keys = [torch.randn(shape).bfloat16() for _ in range(LAYERS)]
+    values = [torch.randn(shape).bfloat16() for _ in range(LAYERS)]
+    print(f"\n{'workload':42} {'kernel':7} {'ms/layer':>8} {'GFLOP/s':>8} {'/ amx':>6}")
+    with torch.inference_mode():
+        for name, tables, positions in workloads():
+            plan = plan_attention(tables, positions, BLOCK)
+            query = torch.randn(len(tables), len(positions[0]), KV_HEADS * GROUP, HEAD_DIM)
+            query = query.bfloat16()
+            flops = sum(len(p) * (p[-1] + 1) for p in positions) * GROUP * KV_HEADS * 4 * HEAD_DIM
+            times = {
+                kernel_name: per_layer(query, keys, values, plan, kernel)
+                for kernel_name, kernel in kernels.items()
+            }
+            base = times.get("amx")
+            for kernel_name, t in times.items():
+                ratio = f"{t / base:5.2f}x" if base else ""
+                print(f"{name:42} {kernel_name:7} {t * 1e3:8.3f} {flops / t / 1e9:8.0f} {ratio:>6}")
+                name = ""
+
+
+if __name__ == "__main__":
+    main()
