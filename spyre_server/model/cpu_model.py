@@ -16,11 +16,11 @@ buffer with it (only the module objects are new), then, on the copy only:
 
 ``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
 (``model.attention_kernel``; in bfloat16 ``auto`` is our AMX kernel where the CPU has AMX, else
-ours for decode steps and SDPA's flash for prefill chunks), and ``cpu_decoder`` its step without fms's module machinery: the native
-one (``native_decoder.py``) when both kernels are native, the native bfloat16 one
-(``native_bf16_decoder.py``) for a bfloat16 model on the native element-wise kernels, else the
-aten one (``aten_decoder.py``). A bfloat16 copy gets the native element-wise kernels whatever
-its linear kernel.
+ours for decode steps and SDPA's flash for prefill chunks), and ``cpu_decoder`` its step without
+fms's module machinery: the native one (``native_decoder.py``) when both kernels are native,
+the native bfloat16 one (``native_bf16_decoder.py``) for a bfloat16 model on the native
+element-wise kernels, else the aten one (``aten_decoder.py``). A bfloat16 copy gets the native
+element-wise kernels whatever its linear kernel.
 
 The loaded model is left as it was (tests share one model between engines and oracles). Drop it
 to free the unpacked linear weights.

@@ -92,7 +92,8 @@ def scattered_tables(num_blocks: int, shared: int, own: list[int], seed: int) ->
     return tables
 
 
-CASES = [
+Case = tuple[int, int, list[int], int, int | None]
+CASES: list[Case] = [
     # (block_size, shared blocks, own blocks per row, queries per row, first query's offset
     #  into the own blocks): decode rows, prefill chunks, tails of every kind.
     (64, 3, [1, 2, 3, 1, 2, 1, 3, 2], 1, None),  # decode, 8 rows, ragged own lengths
@@ -106,19 +107,12 @@ CASES = [
 
 
 def attention_case(
-    dtype: torch.dtype,
-    head_dim: int,
-    kvheads: int,
-    group: int,
-    block_size: int,
-    shared: int,
-    own: list[int],
-    num_queries: int,
-    offset: int | None,
+    dtype: torch.dtype, head_dim: int, kvheads: int, group: int, case: Case
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], list[list[int]]]:
-    """``(query, key_cache, value_cache, tables, positions)`` of one of CASES: scattered block
-    ids, a decode row's query somewhere in its last block, a chunk's at ``offset`` into the
-    own blocks."""
+    """``(query, key_cache, value_cache, tables, positions)`` of ``case``, one of CASES:
+    scattered block ids, a decode row's query somewhere in its last block, a chunk's at
+    ``offset`` into the own blocks."""
+    block_size, shared, own, num_queries, offset = case
     torch.manual_seed(head_dim + kvheads + num_queries)
     tables = scattered_tables(64, shared, own, seed=num_queries)
     positions = []
@@ -139,24 +133,17 @@ def attention_case(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
-@pytest.mark.parametrize(("block_size", "shared", "own", "num_queries", "offset"), CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_float64_attention(
-    dtype: torch.dtype,
-    head_dim: int,
-    kvheads: int,
-    group: int,
-    block_size: int,
-    shared: int,
-    own: list[int],
-    num_queries: int,
-    offset: int | None,
+    dtype: torch.dtype, head_dim: int, kvheads: int, group: int, case: Case
 ) -> None:
     """Against softmax attention in float64 over each query's whole causal context, with the
     keys split over 1, 2 and 5 ranges (5 leave some empty), read in place through scattered
     block ids."""
     query, key_cache, value_cache, tables, positions = attention_case(
-        dtype, head_dim, kvheads, group, block_size, shared, own, num_queries, offset
+        dtype, head_dim, kvheads, group, case
     )
+    block_size, shared = case[0], case[1]
     plan = plan_attention(tables, positions, block_size)
     assert len(plan.groups) == 1
     if len(tables) > 1:
@@ -175,23 +162,16 @@ def test_kernel_matches_float64_attention(
 @needs_amx
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
-@pytest.mark.parametrize(("block_size", "shared", "own", "num_queries", "offset"), CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_amx_kernel_matches_float64_attention(
-    head_dim: int,
-    kvheads: int,
-    group: int,
-    block_size: int,
-    shared: int,
-    own: list[int],
-    num_queries: int,
-    offset: int | None,
+    head_dim: int, kvheads: int, group: int, case: Case
 ) -> None:
     """The AMX kernel on the same cases (64-key tiles across 16- and 64-token blocks, 16-row
     tiles past the rows' end), against float64 attention over the same bfloat16 values."""
     query, key_cache, value_cache, tables, positions = attention_case(
-        torch.bfloat16, head_dim, kvheads, group, block_size, shared, own, num_queries, offset
+        torch.bfloat16, head_dim, kvheads, group, case
     )
-    plan = plan_attention(tables, positions, block_size)
+    plan = plan_attention(tables, positions, case[0])
     want = naive_attention(
         query.double(), key_cache.double(), value_cache.double(), tables, positions
     )
