@@ -41,6 +41,7 @@ from spyre_server.model.aten_decoder import unsupported_reason as aten_unsupport
 from spyre_server.model.fast_norm import use_fast_rms_norm
 from spyre_server.model.fast_rope import use_fast_rope
 from spyre_server.model.native_attention import (
+    AMX_NOT_COMPILED,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     NativePagedAttention,
@@ -142,6 +143,18 @@ def cpu_attention_kernel(
         logger.info(
             "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks (%s)",
             attention_kernel,
+        )
+        return NativePagedAttention(kernels, prefill=False)
+    if resolved == "amx" and not kernels.amx_compiled:
+        if attention_kernel == "amx":
+            raise LinearKernelError(
+                f"model.attention_kernel 'amx' cannot run here: {AMX_NOT_COMPILED}; set "
+                "model.attention_kernel: auto"
+            )
+        logger.warning(
+            "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks "
+            "(auto; not amx: %s)",
+            AMX_NOT_COMPILED,
         )
         return NativePagedAttention(kernels, prefill=False)
     logger.info("cpu kernels: attention_kernel %s (%s)", resolved, attention_kernel)

@@ -22,6 +22,9 @@ from spyre_server.model.native_kernels import NativeKernels, amx_unsupported_rea
 from spyre_server.model.paged_attention import AttentionPlan, RowGroup, flash_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+AMX_NOT_COMPILED = (
+    "the native kernels were compiled without AMX intrinsics (they need g++ 11 or later)"
+)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -56,6 +59,8 @@ class NativePagedAttention:
         cannot run)."""
         if amx and (reason := amx_unsupported_reason()) is not None:
             raise ValueError(f"the AMX attention kernel cannot run here: {reason}")
+        if amx and not kernels.amx_compiled:
+            raise ValueError(f"the AMX attention kernel cannot run here: {AMX_NOT_COMPILED}")
         self._kernels = kernels
         self.prefill = prefill
         self.amx = amx

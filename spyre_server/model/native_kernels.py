@@ -197,7 +197,10 @@ class NativeKernels:
     """``paged_attention_scratch_numel`` for ``paged_attention_amx``."""
     paged_attention_amx: Callable[..., int]
     """``paged_attention_bf16`` on AMX tiles (``kernels/attention_amx.cpp``): only where
-    ``amx_unsupported_reason()`` is None."""
+    ``amx_unsupported_reason()`` is None and ``amx_compiled``."""
+    amx_compiled: bool
+    """False where the compiler had no AMX intrinsics (GCC before 11): ``paged_attention_amx``
+    is then a stub that refuses every call."""
     rms_norm: Callable[[int, int, int, int, int, int, float], None]
     """(x, ldx, weight, out, M, N, eps): see ``kernels/elementwise_f32.cpp``."""
     silu_mul: Callable[[int, int, int, int], None]
@@ -254,6 +257,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_paged_attention_amx_scratch_numel.restype = i64
     lib.spyre_paged_attention_amx.argtypes = lib.spyre_paged_attention_f32.argtypes
     lib.spyre_paged_attention_amx.restype = ctypes.c_int
+    lib.spyre_amx_compiled.argtypes = []
+    lib.spyre_amx_compiled.restype = ctypes.c_int
     lib.spyre_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
     lib.spyre_rms_norm_f32.restype = None
     lib.spyre_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -284,6 +289,7 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         paged_attention_bf16=lib.spyre_paged_attention_bf16,
         paged_attention_amx_scratch_numel=lib.spyre_paged_attention_amx_scratch_numel,
         paged_attention_amx=lib.spyre_paged_attention_amx,
+        amx_compiled=lib.spyre_amx_compiled() == 1,
         rms_norm=lib.spyre_rms_norm_f32,
         silu_mul=lib.spyre_silu_mul_f32,
         rope=lib.spyre_rope_f32,

@@ -12,7 +12,11 @@ top. The AMX kernel also rounds each probability to bfloat16 before the product 
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import math
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -365,6 +369,44 @@ def test_the_amx_wrapper_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPa
         NativePagedAttention(kernels(), amx=True)(
             torch.randn(1, 1, 4, 64), cache, cache, plan_attention([[1]], [[5]], BS), 0.125
         )
+
+
+def test_without_amx_intrinsics_the_library_builds_stubs_that_refuse(tmp_path: Path) -> None:
+    """The AMX file compiled as a compiler without AMX intrinsics does (``SPYRE_NO_AMX``): the
+    entry points exist, say they are stubs, and refuse every call without touching memory."""
+    library = tmp_path / "stub.so"
+    source = native_kernels.KERNELS / "attention_amx.cpp"
+    flags = [*native_kernels.FLAGS, "-DSPYRE_NO_AMX"]
+    subprocess.run(["g++", *flags, str(source), "-o", str(library)], check=True)
+    lib = ctypes.CDLL(str(library))
+    lib.spyre_paged_attention_amx_scratch_numel.restype = ctypes.c_int64
+    assert lib.spyre_amx_compiled() == 0
+    assert lib.spyre_paged_attention_amx_scratch_numel(*map(ctypes.c_int64, (64, 3, 24, 2))) == -1
+    null = ctypes.c_void_p(0)
+    args = [ctypes.c_int64(64), null, null, null, *map(ctypes.c_int64, (16, 1, 1, 1, 1))]
+    args += [null, ctypes.c_int64(0), null, ctypes.c_int64(1), null, ctypes.c_float(1.0)]
+    args += [ctypes.c_int64(1), null, null]
+    assert lib.spyre_paged_attention_amx(*args) == 2
+    version = subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True, check=True)
+    if int(version.stdout.split(".")[0]) >= 11:  # the kernels built for the tests have it
+        assert kernels().amx_compiled
+
+
+def test_auto_falls_back_to_mixed_where_the_kernels_lack_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an AMX CPU whose kernels were built without AMX intrinsics: auto runs mixed (and logs
+    why), an explicit amx stops the start with the reason, the wrapper refuses."""
+    stubbed = dataclasses.replace(kernels(), amx_compiled=False)
+    monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: None)
+    monkeypatch.setattr(native_attention, "amx_unsupported_reason", lambda: None)
+    monkeypatch.setattr(cpu_model, "_native_kernels", lambda kernel_dir: stubbed)
+    auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
+    assert isinstance(auto, NativePagedAttention) and not auto.prefill and not auto.amx
+    with pytest.raises(LinearKernelError, match=r"'amx' cannot run here: .*g\+\+ 11"):
+        cpu_attention_kernel("amx", dtype=torch.bfloat16, head_dim=64)
+    with pytest.raises(ValueError, match=r"compiled without AMX intrinsics"):
+        NativePagedAttention(stubbed, amx=True)
 
 
 @needs_amx

@@ -4,21 +4,33 @@
 // rounded to bfloat16 for the product with the values).
 //
 // Only entered on CPUs with AMX-BF16 and AVX512-BF16/BW/VL/DQ, in a process that Linux granted
-// the AMX tile state (native_kernels.amx_unsupported_reason checks both). Every function here is compiled for those features (the pragma below) and has
-// internal linkage: no inline function of this file can stand in for one of the AVX2 files'.
+// the AMX tile state (native_kernels.amx_unsupported_reason checks both). Every function here is
+// compiled for those features (the pragma below) and has internal linkage: no inline function of
+// this file can stand in for one of the AVX2 files'.
 //
-// Per tile of kKeys (32) keys of one KV head, the keys are transposed once into the tile unit's
+// Per tile of kKeys (64) keys of one KV head, the keys are transposed once into the tile unit's
 // pair-interleaved ("VNNI") layout and the values interleaved by key pairs; then every 16-row
-// tile of queries that sees the tile computes scores = q . k^T (D / 32 products per 16 keys),
-// the online softmax of its rows, and o += p . v (D / 16 products). The parts are attention.cpp's:
-// the shared blocks (no mask, every row, the keys split into one range per thread) and each
-// sequence's own blocks (causal, one task per sequence, head and 64 rows), merged through their
-// log-sum-exps.
+// tile of queries that sees the tile computes its scores = q . k^T (4 x D / 32 tile products),
+// the online softmax of its rows (in powers of 2, each row's sum in 16 lanes), and o += p . v
+// (2 x D / 16 tile products). The parts are attention.cpp's: the shared blocks (no mask, every
+// row, the keys split into one range per thread) and each sequence's own blocks (causal, one
+// task per sequence, head and 64 rows), merged through their log-sum-exps (in log2 units here).
+//
+// A compiler without AMX intrinsics (GCC before 11, clang before 12), or SPYRE_NO_AMX defined,
+// builds the entry points as stubs: spyre_amx_compiled() says 0 and the kernel refuses (returns
+// 2), so the rest of the library still builds and runs there.
+#include <stdint.h>
+
+#if !defined(SPYRE_NO_AMX) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : defined(__GNUC__) && __GNUC__ >= 11)
+#define SPYRE_AMX 1
+#endif
+
+#ifdef SPYRE_AMX
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
-#include <stdint.h>
 
 namespace {
 
@@ -454,26 +466,44 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
 }
 
 }  // namespace
+#endif  // SPYRE_AMX
 
 extern "C" {
+
+// 1 where the kernel below was compiled, 0 for the stubs.
+int spyre_amx_compiled() {
+#ifdef SPYRE_AMX
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 // Floats of scratch spyre_paged_attention_amx needs (64-byte aligned), -1 for a head_dim other
 // than 64 and 128.
 int64_t spyre_paged_attention_amx_scratch_numel(int64_t head_dim, int64_t H, int64_t rows,
                                                 int64_t threads) {
+#ifndef SPYRE_AMX
+    return -1;
+#else
     if (head_dim == 64) return Layout<64>{H, rows, threads}.numel();
     if (head_dim == 128) return Layout<128>{H, rows, threads}.numel();
     return -1;
+#endif
 }
 
 // spyre_paged_attention_bf16's contract (attention.cpp) on AMX; its own scratch size. Only on a
 // CPU with the features above, in a process Linux granted the AMX tile state (arch_prctl).
+// Returns 1 for a head_dim other than 64 and 128, 2 for the stub (nothing written).
 int spyre_paged_attention_amx(int64_t head_dim, const uint16_t* q, const uint16_t* k_cache,
                               const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G,
                               int64_t n, int64_t nq, const int64_t* shared_blocks,
                               int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
                               const int64_t* positions, float scale, int64_t threads,
                               float* scratch, uint16_t* out) {
+#ifndef SPYRE_AMX
+    return 2;
+#else
     if (head_dim == 64)
         paged_attention<64>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
                             own_blocks, num_own, positions, scale, threads, scratch, out);
@@ -483,6 +513,7 @@ int spyre_paged_attention_amx(int64_t head_dim, const uint16_t* q, const uint16_
     else
         return 1;
     return 0;
+#endif
 }
 
 }  // extern "C"
