@@ -101,8 +101,15 @@ def _serve_process(port: int, log: Path) -> subprocess.Popen[bytes]:
     }
     command = [sys.executable, "-m", "spyre_server.cli", "serve", str(model)]
     command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "INFO"]
-    with log.open("wb") as sink:
-        return subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    # As from a terminal: a shell's background job (`pytest &`, CI runners) starts with SIGINT
+    # ignored, which a child inherits, and a Python started so keeps ignoring Ctrl-C (as a
+    # `nohup` server should). A handled SIGINT here becomes the default in the child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with log.open("wb") as sink:
+            return subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _port_is_taken(port: int) -> bool:
