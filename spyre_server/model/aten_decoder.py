@@ -134,7 +134,8 @@ class AtenDecoder:
     """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
     logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
     ``paged_attention_kwargs(slot_mapping, plan, attention)`` and ``use_cache=True`` computes
-    them, writing the same KV."""
+    them, writing the same KV; None for ``last_n_tokens`` 0 (the KV only: a chunk that samples
+    nothing, whose LM head would be wasted)."""
 
     def __init__(
         self, model: torch.nn.Module, attention: PagedAttentionKernel | None = None
@@ -156,7 +157,7 @@ class AtenDecoder:
         plan: AttentionPlan,
         kv_caches: KVCaches,
         last_n_tokens: int,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         batch, seq = input_ids.shape
         shape = self._shape
         heads, kvheads, head_dim = shape.nheads, shape.kvheads, shape.head_dim
@@ -182,5 +183,7 @@ class AtenDecoder:
             )
             x = layer.dense(attended.view(batch, seq, heads * head_dim)) + x
             x = layer.feed_forward(layer.ff_norm(x)) + x
+        if last_n_tokens == 0:
+            return None
         last = x[:, seq - last_n_tokens :]
         return self._model.head(self._model.base_model.dec_norm(last))

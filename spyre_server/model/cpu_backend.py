@@ -21,11 +21,12 @@ from spyre_server.model.paged_attention import (
 from spyre_server.model.runner import KVCaches, ModelRunner
 
 StepDecoder = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, KVCaches, int], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, KVCaches, int], torch.Tensor | None
 ]
 """``(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens) -> logits``: a
 whole step, as the model's forward with our paged-attention op computes it
-(``cpu_model.cpu_decoder``: ``NativeDecoder``, ``NativeBf16Decoder`` or ``AtenDecoder``)."""
+(``cpu_model.cpu_decoder``: ``NativeDecoder``, ``NativeBf16Decoder`` or ``AtenDecoder``); None
+for ``last_n_tokens`` 0, where only the KV is written."""
 
 
 class CpuModelRunner(ModelRunner):
@@ -58,14 +59,23 @@ class CpuModelRunner(ModelRunner):
             if not step.is_last_chunk:
                 return None  # nothing to write, nothing to sample
             first = len(step.token_ids) - 1
+        if not step.is_last_chunk:  # the KV only: no LM head
+            self._forward_chunk(step, first, last_n_tokens=0)
+            return None
         logits = self._forward_chunk(step, first, last_n_tokens=1)
-        return logits[:, -1] if step.is_last_chunk else None
+        assert logits is not None
+        return logits[:, -1]
 
     def _prompt_logits(self, step: PrefillChunk) -> torch.Tensor:
-        return self._forward_chunk(step, 0, last_n_tokens=len(step.token_ids))[0]
+        logits = self._forward_chunk(step, 0, last_n_tokens=len(step.token_ids))
+        assert logits is not None
+        return logits[0]
 
-    def _forward_chunk(self, step: PrefillChunk, first: int, *, last_n_tokens: int) -> torch.Tensor:
-        """Compute the chunk's positions from index ``first`` on (writing their KV)."""
+    def _forward_chunk(
+        self, step: PrefillChunk, first: int, *, last_n_tokens: int
+    ) -> torch.Tensor | None:
+        """Compute the chunk's positions from index ``first`` on (writing their KV); the logits
+        of the last ``last_n_tokens`` of them (None for 0)."""
         positions = step.positions[first:]
         return self._forward(
             torch.tensor([step.token_ids[first:]]),
@@ -78,13 +88,15 @@ class CpuModelRunner(ModelRunner):
     def _decode(self, step: DecodeBatch) -> torch.Tensor:
         entries = step.entries
         positions = [[e.position] for e in entries]
-        return self._forward(
+        logits = self._forward(
             torch.tensor([[e.token_id] for e in entries]),
             torch.tensor(positions),
             torch.tensor([e.slot for e in entries]),
             plan_attention([e.block_table for e in entries], positions, self.block_size),
             last_n_tokens=1,
-        )[:, -1]
+        )
+        assert logits is not None
+        return logits[:, -1]
 
     def _forward(
         self,
@@ -94,7 +106,9 @@ class CpuModelRunner(ModelRunner):
         plan: AttentionPlan,
         *,
         last_n_tokens: int,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        """The step's logits for the last ``last_n_tokens`` positions of each row; None for 0
+        (the KV only)."""
         if self.decoder is not None:
             return self.decoder(
                 input_ids, position_ids, slot_mapping, plan, self.kv_caches, last_n_tokens
@@ -104,7 +118,7 @@ class CpuModelRunner(ModelRunner):
             position_ids=position_ids,
             past_key_value_states=self.kv_caches,
             use_cache=True,
-            last_n_tokens=last_n_tokens,
+            last_n_tokens=max(last_n_tokens, 1),  # fms reads 0 as every position
             **paged_attention_kwargs(slot_mapping, plan, self.attention),
         )
-        return logits
+        return logits if last_n_tokens else None

@@ -80,7 +80,8 @@ class NativeBf16Decoder:
     """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
     logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
     ``paged_attention_kwargs(slot_mapping, plan, attention)`` and ``use_cache=True`` computes
-    them, writing the same KV."""
+    them, writing the same KV; None for ``last_n_tokens`` 0 (the KV only: a chunk that samples
+    nothing, whose LM head would be wasted)."""
 
     def __init__(
         self, model: torch.nn.Module, attention: PagedAttentionKernel | None = None
@@ -103,7 +104,7 @@ class NativeBf16Decoder:
         plan: AttentionPlan,
         kv_caches: KVCaches,
         last_n_tokens: int,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         batch, seq = input_ids.shape
         tokens = batch * seq
         k, shape = self._kernels, self._shape
@@ -160,5 +161,7 @@ class NativeBf16Decoder:
                 )  # fmt: skip
             else:
                 x += out
+        if last_n_tokens == 0:
+            return None
         last = x.view(batch, seq, hidden_dim)[:, seq - last_n_tokens :]
         return self._model.head(self._model.base_model.dec_norm(last))

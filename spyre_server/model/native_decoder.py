@@ -113,7 +113,8 @@ class NativeDecoder:
     """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
     logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
     ``paged_attention_kwargs(slot_mapping, plan, attention)`` and ``use_cache=True`` computes
-    them, writing the same KV."""
+    them, writing the same KV; None for ``last_n_tokens`` 0 (the KV only: a chunk that samples
+    nothing, whose LM head would be wasted)."""
 
     def __init__(self, model: torch.nn.Module, attention: NativePagedAttention) -> None:
         if (reason := unsupported_reason(model)) is not None:
@@ -152,7 +153,7 @@ class NativeDecoder:
         plan: AttentionPlan,
         kv_caches: KVCaches,
         last_n_tokens: int,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         batch, seq = input_ids.shape
         tokens = batch * seq
         k = self._kernels
@@ -199,6 +200,8 @@ class NativeDecoder:
             k.linear(normed_ptr, layer.gate_up, gate_up_ptr, tokens, hidden_dim, 2 * mlp_dim)
             k.silu_mul(gate_up_ptr, activated_ptr, tokens, mlp_dim)
             k.linear_add(activated_ptr, layer.down, x_ptr, tokens, mlp_dim, hidden_dim)
+        if last_n_tokens == 0:
+            return None
         last = x.view(batch, seq, hidden_dim)[:, seq - last_n_tokens :]
         return self._model.head(self._model.base_model.dec_norm(last))
 

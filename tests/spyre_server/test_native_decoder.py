@@ -149,8 +149,9 @@ def test_the_steps_equal_full_forwards(
 def test_every_position_of_a_chunk_as_fms_computes_it(
     native64: torch.nn.Module, attention: NativePagedAttention
 ) -> None:
-    """``last_n_tokens`` over a whole 70-token chunk (the prompt-logits path), and a single row,
-    against fms's forward with the paged-attention op, from the same empty cache."""
+    """``last_n_tokens`` over a whole 70-token chunk (the prompt-logits path), a single row, and
+    none (a chunk that samples nothing: the KV only), against fms's forward with the
+    paged-attention op, from the same empty cache."""
     decoder = NativeDecoder(native64, attention)
     positions = list(range(70))
     ids = torch.tensor([rand_tokens(70, seed=5)])
@@ -158,7 +159,7 @@ def test_every_position_of_a_chunk_as_fms_computes_it(
     plan = plan_attention([[1, 2]], [positions], BS)
     runner = CpuModelRunner(native64, num_blocks=4, block_size=BS, dtype=torch.float32)
     with torch.inference_mode():
-        for last_n in (70, 1):
+        for last_n in (70, 1, 0):
             caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
             got = decoder(ids, torch.tensor([positions]), slots, plan, caches, last_n)
             want_caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
@@ -167,13 +168,44 @@ def test_every_position_of_a_chunk_as_fms_computes_it(
                 position_ids=torch.tensor([positions]),
                 past_key_value_states=want_caches,
                 use_cache=True,
-                last_n_tokens=last_n,
+                last_n_tokens=max(last_n, 1),
                 **paged_attention_kwargs(slots, plan, attention),
             )
-            assert got.shape == (1, last_n, native64.config.src_vocab_size)
-            assert torch.equal(got, want)
+            if last_n == 0:
+                assert got is None
+            else:
+                assert got is not None
+                assert got.shape == (1, last_n, native64.config.src_vocab_size)
+                assert torch.equal(got, want)
             for (k, v), (want_k, want_v) in zip(caches, want_caches, strict=True):
                 assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_only_the_prompts_last_chunk_runs_the_lm_head(
+    native64: torch.nn.Module, attention: NativePagedAttention, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the decoder, a 150-token prompt in 64-token chunks: the two chunks that sample nothing
+    write their KV without the LM head, the last chunk and each decode step run it once; the
+    logits are the oracle's. (fms's forward, without a decoder, always runs it.)"""
+    head_rows: list[int] = []
+    head_forward = native64.head.forward
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        head_rows.append(x.shape[-2])
+        return head_forward(x)
+
+    prompt = rand_tokens(150, seed=9)
+    decoder = NativeDecoder(native64, attention)
+    h = Harness(native64, chunk_size=64, attention=attention, decoder=decoder)
+    h.add("r", prompt, max_tokens=3)
+    monkeypatch.setattr(native64.head, "forward", counted)
+    with torch.inference_mode():
+        h.run()
+    assert head_rows == [1, 1, 1]  # the last chunk, then two decode steps
+    trace = h.traces["r"]
+    for i, row in enumerate(trace.logits):  # the oracle's forwards run the head too: after
+        want = full_forward_logits(native64, trace.prompt + trace.tokens[:i])
+        assert max_abs(row, want) <= LOGIT_TOL
 
 
 def test_models_it_does_not_cover_get_a_reason(
