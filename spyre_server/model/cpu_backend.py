@@ -59,12 +59,9 @@ class CpuModelRunner(ModelRunner):
             if not step.is_last_chunk:
                 return None  # nothing to write, nothing to sample
             first = len(step.token_ids) - 1
-        if not step.is_last_chunk:  # the KV only: no LM head
-            self._forward_chunk(step, first, last_n_tokens=0)
-            return None
-        logits = self._forward_chunk(step, first, last_n_tokens=1)
-        assert logits is not None
-        return logits[:, -1]
+        # A chunk that samples nothing writes its KV only: no LM head.
+        logits = self._forward_chunk(step, first, last_n_tokens=int(step.is_last_chunk))
+        return None if logits is None else logits[:, -1]
 
     def _prompt_logits(self, step: PrefillChunk) -> torch.Tensor:
         logits = self._forward_chunk(step, 0, last_n_tokens=len(step.token_ids))

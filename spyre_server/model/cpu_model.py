@@ -41,7 +41,6 @@ from spyre_server.model.aten_decoder import unsupported_reason as aten_unsupport
 from spyre_server.model.fast_norm import use_fast_rms_norm
 from spyre_server.model.fast_rope import use_fast_rope
 from spyre_server.model.native_attention import (
-    AMX_NOT_COMPILED,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     NativePagedAttention,
@@ -52,6 +51,7 @@ from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.native_decoder import unsupported_reason as native_unsupported_reason
 from spyre_server.model.native_elementwise import use_native_elementwise
 from spyre_server.model.native_kernels import (
+    AMX_NOT_COMPILED,
     NativeKernelError,
     NativeKernels,
     amx_unsupported_reason,
@@ -139,22 +139,18 @@ def cpu_attention_kernel(
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
     kernels = _native_kernels(kernel_dir)
-    if resolved == "mixed":
-        logger.info(
-            "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks (%s)",
-            attention_kernel,
-        )
-        return NativePagedAttention(kernels, prefill=False)
     if resolved == "amx" and not kernels.amx_compiled:
         if attention_kernel == "amx":
             raise LinearKernelError(
                 f"model.attention_kernel 'amx' cannot run here: {AMX_NOT_COMPILED}; set "
                 "model.attention_kernel: auto"
             )
-        logger.warning(
-            "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks "
-            "(auto; not amx: %s)",
-            AMX_NOT_COMPILED,
+        logger.warning("cpu kernels: attention_kernel not amx: %s", AMX_NOT_COMPILED)
+        resolved = "mixed"
+    if resolved == "mixed":
+        logger.info(
+            "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks (%s)",
+            attention_kernel,
         )
         return NativePagedAttention(kernels, prefill=False)
     logger.info("cpu kernels: attention_kernel %s (%s)", resolved, attention_kernel)

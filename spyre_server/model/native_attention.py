@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from spyre_server.model.native_kernels import NativeKernels, amx_unsupported_reason
+from spyre_server.model.native_kernels import (
+    AMX_NOT_COMPILED,
+    NativeKernels,
+    amx_unsupported_reason,
+)
 from spyre_server.model.paged_attention import AttentionPlan, RowGroup, flash_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-AMX_NOT_COMPILED = (
-    "the native kernels were compiled without AMX intrinsics (they need g++ 11 or later)"
-)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 

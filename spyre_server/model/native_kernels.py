@@ -62,6 +62,10 @@ AMX_CPU_FLAGS = (
     "avx512_bf16",
 )
 """What ``kernels/attention_amx.cpp`` runs on (compiled for them whatever the build machine)."""
+AMX_NOT_COMPILED = (
+    "the native kernels were compiled without AMX intrinsics (they need g++ 11 or later)"
+)
+"""Why the AMX kernel cannot run where ``NativeKernels.amx_compiled`` is False."""
 _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
