@@ -5,10 +5,10 @@ run meanwhile). SmolLM2-135M's attention (9 query / 3 KV heads of 64) over a bfl
 of 64-token blocks, every layer's cache a distinct tensor (each timing runs the 30 layers, so the
 K/V come from memory as in a real step), the shared prefix in scattered blocks as a server's
 recycled blocks are. Per workload and kernel: ms per layer, GFLOP/s (the two products; the
-causal part counted in full), and each kernel's time over the AMX kernel's. Kernels (the values
-of ``model.attention_kernel``): ``amx`` (where the CPU has AMX), ``native`` (float32 compute) and
-``flash`` (SDPA's flash kernel on gathered copies); ``mixed`` is native's decode and flash's
-prefill rows.
+causal part counted in full), and each kernel's time over the first kernel's. Kernels (the values
+of ``model.attention_kernel``): ``amx`` (where the CPU has AMX), ``avx512_bf16`` (where it has
+AVX512-BF16), ``native`` (float32 compute) and ``flash`` (SDPA's flash kernel on gathered copies);
+``mixed`` is native's decode and flash's prefill rows.
 
 Workloads: a decode step of 8 rows over a 1,536-token shared prefix (+ 2 own blocks each), a
 warm prefill of 64 new tokens after it, and 256-token chunks of a cold prefill at 1,024 and
@@ -31,6 +31,7 @@ from bench_kernels import BLOCK, GROUP, HEAD_DIM, KV_HEADS, LAYERS, PREFIX_BLOCK
 from spyre_server.model.native_attention import NativePagedAttention
 from spyre_server.model.native_kernels import (
     amx_unsupported_reason,
+    avx512_bf16_unsupported_reason,
     default_kernel_dir,
     load_native_kernels,
 )
@@ -95,16 +96,22 @@ def main() -> None:
         f"limits: streaming read {read:.1f} GB/s, bfloat16 2048^3 matrix product {gemm:.0f} GFLOP/s"
     )
     lib = load_native_kernels(default_kernel_dir())
-    kernels: dict[str, NativePagedAttention | None] = {"native": NativePagedAttention(lib)}
-    if (reason := amx_unsupported_reason()) is None:
-        kernels = {"amx": NativePagedAttention(lib, amx=True), **kernels}
-    else:
-        print(f"amx: not run ({reason})")
+    kernels: dict[str, NativePagedAttention | None] = {}
+    for dot, unsupported in (
+        ("amx", amx_unsupported_reason),
+        ("avx512_bf16", avx512_bf16_unsupported_reason),
+    ):
+        if (reason := unsupported()) is None:
+            kernels[dot] = NativePagedAttention(lib, bf16_dot=dot)
+        else:
+            print(f"{dot}: not run ({reason})")
+    kernels["native"] = NativePagedAttention(lib)
     kernels["flash"] = None
+    first = next(iter(kernels))
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     keys = [torch.randn(shape).bfloat16() for _ in range(LAYERS)]
     values = [torch.randn(shape).bfloat16() for _ in range(LAYERS)]
-    print(f"\n{'workload':42} {'kernel':7} {'ms/layer':>8} {'GFLOP/s':>8} {'/ amx':>6}")
+    print(f"\n{'workload':42} {'kernel':11} {'ms/layer':>8} {'GFLOP/s':>8} {'/ ' + first:>13}")
     with torch.inference_mode():
         for name, tables, positions in workloads():
             plan = plan_attention(tables, positions, BLOCK)
@@ -115,10 +122,12 @@ def main() -> None:
                 kernel_name: per_layer(query, keys, values, plan, kernel)
                 for kernel_name, kernel in kernels.items()
             }
-            base = times.get("amx")
+            base = times[first]
             for kernel_name, t in times.items():
-                ratio = f"{t / base:5.2f}x" if base else ""
-                print(f"{name:42} {kernel_name:7} {t * 1e3:8.3f} {flops / t / 1e9:8.0f} {ratio:>6}")
+                ratio = f"{t / base:5.2f}x"
+                print(
+                    f"{name:42} {kernel_name:11} {t * 1e3:8.3f} {flops / t / 1e9:8.0f} {ratio:>13}"
+                )
                 name = ""
 
 

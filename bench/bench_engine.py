@@ -311,11 +311,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--attention-kernel",
-        choices=("auto", "native", "amx", "mixed", "flash"),
+        choices=("auto", "native", "amx", "avx512_bf16", "mixed", "flash"),
         default="auto",
-        help="model.attention_kernel: auto (the server's default: ours; in bfloat16 our AMX "
-        "kernel where the CPU has AMX, else mixed), ours, ours on AMX (bfloat16), mixed (ours for "
-        "decode steps, flash for prefill chunks), or SDPA's flash kernel",
+        help="model.attention_kernel: auto (the server's default: ours; in bfloat16 our "
+        "dot-product kernel on AMX where the CPU has AMX, else on AVX512-BF16, else mixed), ours, "
+        "ours on AMX or on AVX512-BF16 (bfloat16), mixed (ours for decode steps, flash for "
+        "prefill chunks), or SDPA's flash kernel",
     )
     parser.add_argument(
         "--fms-forward",
@@ -352,6 +353,9 @@ def main() -> None:
             "bfloat16 skipped: this CPU has neither avx512_bf16 nor amx_bf16, so bf16 matrix "
             "products would be emulated (slower than float32); --bf16 runs it anyway"
         )
+    if args.attention_kernel in ("amx", "avx512_bf16"):
+        print(f"float32 skipped: attention kernel {args.attention_kernel} computes bfloat16 only")
+        dtypes = [(dtype, label) for dtype, label in dtypes if dtype == torch.bfloat16]
     for dtype, label in dtypes:
         loaded = load_model(path, dtype)
         model = cpu_inference_copy(loaded.model, linear_kernel=args.linear_kernel, dtype=dtype)

@@ -73,6 +73,20 @@ needs_amx = _amx_marker()
 """Marks a test that runs the AMX attention kernel (a CPU with AMX; the AMD EPYC has none)."""
 
 
+def _avx512_bf16_marker() -> pytest.MarkDecorator:
+    from spyre_server.model.native_kernels import avx512_bf16_unsupported_reason
+
+    reason = avx512_bf16_unsupported_reason()
+    return pytest.mark.skipif(
+        reason is not None, reason=f"the AVX512-BF16 kernel cannot run: {reason}"
+    )
+
+
+needs_avx512_bf16 = _avx512_bf16_marker()
+"""Marks a test that runs the AVX512-BF16 attention kernel (Intel since Cooper Lake, AMD since
+Zen 4; not the AVX2-only EPYC)."""
+
+
 def build_tiny_llama() -> torch.nn.Module:
     """A tiny random fms llama with GQA (4 query heads, 2 KV heads), float32, eval mode.
 

@@ -15,8 +15,9 @@ buffer with it (only the module objects are new), then, on the copy only:
   (``resolve_linear_kernel``).
 
 ``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
-(``model.attention_kernel``; in bfloat16 ``auto`` is our AMX kernel where the CPU has AMX, else
-ours for decode steps and SDPA's flash for prefill chunks), and ``cpu_decoder`` its step without
+(``model.attention_kernel``; in bfloat16 ``auto`` is our bfloat16 dot-product kernel on AMX where
+the CPU has AMX, else on AVX512-BF16 where it has that, else ours for decode steps and SDPA's
+flash for prefill chunks), and ``cpu_decoder`` its step without
 fms's module machinery: the native one (``native_decoder.py``) when both kernels are native,
 the native bfloat16 one (``native_bf16_decoder.py``) for a bfloat16 model on the native
 element-wise kernels, else the aten one (``aten_decoder.py``). A bfloat16 copy gets the native
@@ -51,10 +52,11 @@ from spyre_server.model.native_decoder import NativeDecoder
 from spyre_server.model.native_decoder import unsupported_reason as native_unsupported_reason
 from spyre_server.model.native_elementwise import use_native_elementwise
 from spyre_server.model.native_kernels import (
-    AMX_NOT_COMPILED,
+    DOT_BF16_NOT_COMPILED,
     NativeKernelError,
     NativeKernels,
     amx_unsupported_reason,
+    avx512_bf16_unsupported_reason,
     default_kernel_dir,
     load_native_kernels,
     unsupported_cpu_reason,
@@ -84,42 +86,54 @@ def resolve_linear_kernel(
     return requested
 
 
-AttentionKernel = Literal["auto", "native", "amx", "mixed", "flash"]
+AttentionKernel = Literal["auto", "native", "amx", "avx512_bf16", "mixed", "flash"]
+ResolvedAttentionKernel = Literal["native", "amx", "avx512_bf16", "mixed", "flash"]
+
+
+def _dot_unsupported_reason(kernel: Literal["amx", "avx512_bf16"]) -> str | None:
+    """Why that bfloat16 dot-product kernel cannot run here, or None."""
+    if kernel == "amx":
+        return amx_unsupported_reason()
+    return avx512_bf16_unsupported_reason()
 
 
 def resolve_attention_kernel(
     requested: AttentionKernel, dtype: torch.dtype, head_dim: int
-) -> Literal["native", "amx", "mixed", "flash"]:
+) -> ResolvedAttentionKernel:
     """The kernel ``model.attention_kernel`` stands for (``mixed``: native for decode steps,
     flash for prefill chunks); raises LinearKernelError for a kernel that cannot compute
     ``dtype`` and ``head_dim`` here (``native`` and ``mixed``: float32 or bfloat16 with head_dim
-    64 or 128; ``amx``: bfloat16 with those head sizes on a CPU with AMX)."""
+    64 or 128; ``amx`` and ``avx512_bf16``: bfloat16 with those head sizes on a CPU with that
+    unit)."""
     supported = dtype in SUPPORTED_DTYPES and head_dim in SUPPORTED_HEAD_DIMS
     if requested == "auto":
         if not supported or unsupported_cpu_reason() is not None:
             return "flash"
         if dtype == torch.float32:
             return "native"
-        # In bfloat16: AMX multiplies bfloat16 for both the prefill chunks and the decode
-        # steps; without it, SDPA's flash kernel (AVX512-BF16) is faster at prefill chunks and
-        # ours (float32) at decode steps. RESULTS.md measures all three.
-        return "amx" if amx_unsupported_reason() is None else "mixed"
+        # In bfloat16 our dot-product kernels multiply bfloat16 for both the prefill chunks
+        # and the decode steps, on AMX or else AVX512-BF16; without either, SDPA's flash
+        # kernel is faster at prefill chunks and ours (float32) at decode steps. RESULTS.md
+        # measures them all.
+        if amx_unsupported_reason() is None:
+            return "amx"
+        return "avx512_bf16" if avx512_bf16_unsupported_reason() is None else "mixed"
     if requested in ("native", "mixed") and not supported:
         raise LinearKernelError(
             f"model.attention_kernel '{requested}' computes float32 or bfloat16 with head_dim "
             f"64 or 128, and the model runs {dtype} with head_dim {head_dim}; set "
             "model.attention_kernel: flash (or auto)"
         )
-    if requested == "amx":
+    if requested == "amx" or requested == "avx512_bf16":
         if dtype != torch.bfloat16 or head_dim not in SUPPORTED_HEAD_DIMS:
             raise LinearKernelError(
-                f"model.attention_kernel 'amx' computes bfloat16 with head_dim 64 or 128, and "
-                f"the model runs {dtype} with head_dim {head_dim}; set "
+                f"model.attention_kernel '{requested}' computes bfloat16 with head_dim 64 or "
+                f"128, and the model runs {dtype} with head_dim {head_dim}; set "
                 "model.attention_kernel: auto"
             )
-        if (reason := amx_unsupported_reason()) is not None:
+        if (reason := _dot_unsupported_reason(requested)) is not None:
             raise LinearKernelError(
-                f"model.attention_kernel 'amx' cannot run here: {reason}; set "
+                f"model.attention_kernel '{requested}' cannot run here: {reason}; set "
                 "model.attention_kernel: auto"
             )
     return requested
@@ -139,13 +153,13 @@ def cpu_attention_kernel(
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
     kernels = _native_kernels(kernel_dir)
-    if resolved == "amx" and not kernels.amx_compiled:
-        if attention_kernel == "amx":
+    if (resolved == "amx" or resolved == "avx512_bf16") and not kernels.dot_bf16_compiled:
+        if attention_kernel == resolved:
             raise LinearKernelError(
-                f"model.attention_kernel 'amx' cannot run here: {AMX_NOT_COMPILED}; set "
-                "model.attention_kernel: auto"
+                f"model.attention_kernel '{resolved}' cannot run here: {DOT_BF16_NOT_COMPILED}; "
+                "set model.attention_kernel: auto"
             )
-        logger.warning("cpu kernels: attention_kernel not amx: %s", AMX_NOT_COMPILED)
+        logger.warning("cpu kernels: attention_kernel not %s: %s", resolved, DOT_BF16_NOT_COMPILED)
         resolved = "mixed"
     if resolved == "mixed":
         logger.info(
@@ -154,7 +168,9 @@ def cpu_attention_kernel(
         )
         return NativePagedAttention(kernels, prefill=False)
     logger.info("cpu kernels: attention_kernel %s (%s)", resolved, attention_kernel)
-    return NativePagedAttention(kernels, amx=resolved == "amx")
+    if resolved == "native":
+        return NativePagedAttention(kernels)
+    return NativePagedAttention(kernels, bf16_dot=resolved)
 
 
 def cpu_decoder(

@@ -8,25 +8,30 @@ merged through their log-sum-exps and written in fms's layout. The flash path ga
 that are not consecutive into copies and merges in aten ops. float32 or bfloat16 (computed in
 float32, the output rounded once), head_dim 64 or 128, x86-64 with AVX2 and FMA.
 
-With ``amx`` (bfloat16 only, ``kernels/attention_amx.cpp``) the same plan runs on the AMX tile
-unit: both products take bfloat16 and accumulate in float32, the softmax is float32, and its
+With ``bf16_dot`` (bfloat16 only, ``kernels/attention_dot_bf16.cpp``) the same plan runs with
+both products as bfloat16 dot products accumulated in float32, on the AMX tile unit (``amx``)
+or in AVX512-BF16 vector instructions (``avx512_bf16``): the softmax is float32, and its
 probabilities are rounded to bfloat16 for the product with the values, as SDPA's flash kernel
 does in bfloat16.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from spyre_server.model.native_kernels import (
-    AMX_NOT_COMPILED,
+    DOT_BF16_NOT_COMPILED,
     NativeKernels,
     amx_unsupported_reason,
+    avx512_bf16_unsupported_reason,
 )
 from spyre_server.model.paged_attention import AttentionPlan, RowGroup, flash_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+Bf16Dot = Literal["amx", "avx512_bf16"]
 
 
 def check_caches(
@@ -52,19 +57,25 @@ def _name(dtype: torch.dtype) -> str:
 
 
 class NativePagedAttention:
-    def __init__(self, kernels: NativeKernels, *, prefill: bool = True, amx: bool = False) -> None:
+    def __init__(
+        self, kernels: NativeKernels, *, prefill: bool = True, bf16_dot: Bf16Dot | None = None
+    ) -> None:
         """``prefill`` False: queries of more than one position (prefill chunks) go to SDPA's
         flash kernel instead (``model.attention_kernel: mixed``, where flash multiplies
-        bfloat16 natively and this kernel in float32: RESULTS.md measures both). ``amx``: the
-        AMX kernel for bfloat16 (raises ValueError where ``amx_unsupported_reason()`` says it
-        cannot run)."""
-        if amx and (reason := amx_unsupported_reason()) is not None:
-            raise ValueError(f"the AMX attention kernel cannot run here: {reason}")
-        if amx and not kernels.amx_compiled:
-            raise ValueError(f"the AMX attention kernel cannot run here: {AMX_NOT_COMPILED}")
+        bfloat16 natively and this kernel in float32: RESULTS.md measures both). ``bf16_dot``:
+        the bfloat16 dot-product kernel (bfloat16 only) on that unit, None: float32 compute;
+        raises ValueError where it cannot run here."""
+        if bf16_dot is not None:
+            reason = (
+                amx_unsupported_reason() if bf16_dot == "amx" else avx512_bf16_unsupported_reason()
+            )
+            if reason is None and not kernels.dot_bf16_compiled:
+                reason = DOT_BF16_NOT_COMPILED
+            if reason is not None:
+                raise ValueError(f"the {bf16_dot} attention kernel cannot run here: {reason}")
         self._kernels = kernels
         self.prefill = prefill
-        self.amx = amx
+        self.bf16_dot = bf16_dot
         self._scratch = torch.empty(0)
         """Grown to the largest call so far and kept: 30 calls per step."""
 
@@ -88,8 +99,10 @@ class NativePagedAttention:
                 f"{query.dtype} with {head_dim}"
             )
         check_caches(key_cache, value_cache, head_dim, query.dtype)
-        if self.amx and query.dtype != torch.bfloat16:
-            raise ValueError(f"the AMX attention kernel takes bfloat16, not {query.dtype}")
+        if self.bf16_dot is not None and query.dtype != torch.bfloat16:
+            raise ValueError(
+                f"the {self.bf16_dot} attention kernel takes bfloat16, not {query.dtype}"
+            )
         if not self.prefill and query.shape[1] > 1:
             attended = flash_attention(query, key_cache, value_cache, plan, scale)
             return attended if out is None else out.copy_(attended)
@@ -132,8 +145,12 @@ class NativePagedAttention:
         threads = max(1, torch.get_num_threads())
         rows = batch * num_queries * (nheads // kvheads)
         lib = self._kernels
-        if self.amx:
-            kernel, scratch_numel = lib.paged_attention_amx, lib.paged_attention_amx_scratch_numel
+        if self.bf16_dot is not None:
+            kernel = {
+                "amx": lib.paged_attention_amx,
+                "avx512_bf16": lib.paged_attention_avx512_bf16,
+            }[self.bf16_dot]
+            scratch_numel = lib.paged_attention_dot_bf16_scratch_numel
         elif query.dtype == torch.float32:
             kernel, scratch_numel = lib.paged_attention, lib.paged_attention_scratch_numel
         else:

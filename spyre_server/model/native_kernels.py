@@ -36,7 +36,7 @@ SOURCES = (
     KERNELS / "attention.cpp",
     KERNELS / "elementwise_f32.cpp",
     KERNELS / "elementwise_bf16.cpp",
-    KERNELS / "attention_amx.cpp",
+    KERNELS / "attention_dot_bf16.cpp",
 )
 HEADERS = (KERNELS / "avx2_math.h", KERNELS / "bf16_avx2.h")
 """Included by the sources: hashed into the library's name with them."""
@@ -52,20 +52,16 @@ FLAGS = (
     "-fPIC",
 )
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
-AMX_CPU_FLAGS = (
-    "amx_tile",
-    "amx_bf16",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512dq",
-    "avx512_bf16",
+AVX512_BF16_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+"""What ``kernels/attention_dot_bf16.cpp``'s AVX512-BF16 kernel runs on (compiled for them
+whatever the build machine)."""
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", *AVX512_BF16_CPU_FLAGS)
+"""What its AMX kernel runs on."""
+DOT_BF16_NOT_COMPILED = (
+    "the native kernels were compiled without AMX intrinsics, which the bfloat16 dot-product "
+    "attention kernels (amx, avx512_bf16) are built with (they need g++ 11 or later)"
 )
-"""What ``kernels/attention_amx.cpp`` runs on (compiled for them whatever the build machine)."""
-AMX_NOT_COMPILED = (
-    "the native kernels were compiled without AMX intrinsics (they need g++ 11 or later)"
-)
-"""Why the AMX kernel cannot run where ``NativeKernels.amx_compiled`` is False."""
+"""Why those kernels cannot run where ``NativeKernels.dot_bf16_compiled`` is False."""
 _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
@@ -136,6 +132,14 @@ def amx_unsupported_reason() -> str | None:
     return None
 
 
+def avx512_bf16_unsupported_reason() -> str | None:
+    """Why the AVX512-BF16 attention kernel cannot run here (the CPU's flags), or None."""
+    if reason := unsupported_cpu_reason():
+        return reason
+    missing = [f for f in AVX512_BF16_CPU_FLAGS if f not in cpu_flags()]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
 def build(directory: Path) -> Path:
     """Compile the library into ``directory`` unless it is there already; returns its path."""
     target = directory / library_name()
@@ -197,14 +201,19 @@ class NativeKernels:
     other than 64 and 128: see ``kernels/attention.cpp``."""
     paged_attention_bf16: Callable[..., int]
     """``paged_attention`` with bfloat16 queries, caches and output (float32 scratch)."""
-    paged_attention_amx_scratch_numel: Callable[[int, int, int, int], int]
-    """``paged_attention_scratch_numel`` for ``paged_attention_amx``."""
+    paged_attention_dot_bf16_scratch_numel: Callable[[int, int, int, int], int]
+    """``paged_attention_scratch_numel`` for ``paged_attention_amx`` and
+    ``paged_attention_avx512_bf16``."""
     paged_attention_amx: Callable[..., int]
-    """``paged_attention_bf16`` on AMX tiles (``kernels/attention_amx.cpp``): only where
-    ``amx_unsupported_reason()`` is None and ``amx_compiled``."""
-    amx_compiled: bool
-    """False where the compiler had no AMX intrinsics (GCC before 11): ``paged_attention_amx``
-    is then a stub that refuses every call."""
+    """``paged_attention_bf16`` with bfloat16 products on AMX tiles
+    (``kernels/attention_dot_bf16.cpp``): only where ``amx_unsupported_reason()`` is None and
+    ``dot_bf16_compiled``."""
+    paged_attention_avx512_bf16: Callable[..., int]
+    """The same products as AVX512-BF16 dot products: only where
+    ``avx512_bf16_unsupported_reason()`` is None and ``dot_bf16_compiled``."""
+    dot_bf16_compiled: bool
+    """False where the compiler had no AMX intrinsics (GCC before 11): the two kernels above are
+    then stubs that refuse every call."""
     rms_norm: Callable[[int, int, int, int, int, int, float], None]
     """(x, ldx, weight, out, M, N, eps): see ``kernels/elementwise_f32.cpp``."""
     silu_mul: Callable[[int, int, int, int], None]
@@ -257,12 +266,13 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_paged_attention_f32.restype = ctypes.c_int
     lib.spyre_paged_attention_bf16.argtypes = lib.spyre_paged_attention_f32.argtypes
     lib.spyre_paged_attention_bf16.restype = ctypes.c_int
-    lib.spyre_paged_attention_amx_scratch_numel.argtypes = [i64, i64, i64, i64]
-    lib.spyre_paged_attention_amx_scratch_numel.restype = i64
-    lib.spyre_paged_attention_amx.argtypes = lib.spyre_paged_attention_f32.argtypes
-    lib.spyre_paged_attention_amx.restype = ctypes.c_int
-    lib.spyre_amx_compiled.argtypes = []
-    lib.spyre_amx_compiled.restype = ctypes.c_int
+    lib.spyre_paged_attention_dot_bf16_scratch_numel.argtypes = [i64, i64, i64, i64]
+    lib.spyre_paged_attention_dot_bf16_scratch_numel.restype = i64
+    for dot_kernel in (lib.spyre_paged_attention_amx, lib.spyre_paged_attention_avx512_bf16):
+        dot_kernel.argtypes = lib.spyre_paged_attention_f32.argtypes
+        dot_kernel.restype = ctypes.c_int
+    lib.spyre_dot_bf16_compiled.argtypes = []
+    lib.spyre_dot_bf16_compiled.restype = ctypes.c_int
     lib.spyre_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
     lib.spyre_rms_norm_f32.restype = None
     lib.spyre_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
@@ -291,9 +301,10 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
         paged_attention=lib.spyre_paged_attention_f32,
         paged_attention_bf16=lib.spyre_paged_attention_bf16,
-        paged_attention_amx_scratch_numel=lib.spyre_paged_attention_amx_scratch_numel,
+        paged_attention_dot_bf16_scratch_numel=lib.spyre_paged_attention_dot_bf16_scratch_numel,
         paged_attention_amx=lib.spyre_paged_attention_amx,
-        amx_compiled=lib.spyre_amx_compiled() == 1,
+        paged_attention_avx512_bf16=lib.spyre_paged_attention_avx512_bf16,
+        dot_bf16_compiled=lib.spyre_dot_bf16_compiled() == 1,
         rms_norm=lib.spyre_rms_norm_f32,
         silu_mul=lib.spyre_silu_mul_f32,
         rope=lib.spyre_rope_f32,

@@ -1,4 +1,4 @@
-"""Our paged-attention kernels (``model.attention_kernel: native`` and ``amx``).
+"""Our paged-attention kernels (``model.attention_kernel: native``, ``amx``, ``avx512_bf16``).
 
 Oracles: softmax attention in float64 over each query's causal context (the kernel alone and the
 paged-attention op), and a plain full forward of fms (the steps of a model run through it).
@@ -6,8 +6,9 @@ Tolerances: float32 attention over at most a few hundred keys agrees with float6
 2e-5 leaves room for the polynomial exp (relative error ~1e-7) summed over the keys. In bfloat16
 the kernel computes in float32 on the (exact) widened inputs and rounds its output once: the
 float64 oracle over the same bfloat16 inputs, within half a bfloat16 step (2**-8 relative) on
-top. The AMX kernel also rounds each probability to bfloat16 before the product with the values
-(as SDPA's flash kernel does): at most 2**-9 of each term p * v, so 2**-9 * max |v| more.
+top. The bfloat16 dot-product kernels (AMX, AVX512-BF16) also round each probability to bfloat16
+before the product with the values (as SDPA's flash kernel does): at most 2**-9 of each term
+p * v, so 2**-9 * max |v| more.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from spyre_server.model.cpu_model import cpu_attention_kernel, resolve_attention
 from spyre_server.model.native_attention import NativePagedAttention
 from spyre_server.model.native_kernels import (
     amx_unsupported_reason,
+    avx512_bf16_unsupported_reason,
     default_kernel_dir,
     load_native_kernels,
 )
 from spyre_server.model.packed_linear import LinearKernelError
 from spyre_server.model.paged_attention import RowGroup, plan_attention
-from tests.conftest import needs_amx, needs_native_kernels
+from tests.conftest import needs_amx, needs_avx512_bf16, needs_native_kernels
 from tests.spyre_server.test_model_correctness import (
     BS,
     LOGIT_TOL,
@@ -46,6 +48,8 @@ from tests.spyre_server.test_paged_attention import naive_attention
 
 pytestmark = needs_native_kernels
 TOL = 2e-5
+DOTS = [pytest.param("amx", marks=needs_amx), pytest.param("avx512_bf16", marks=needs_avx512_bf16)]
+"""The bfloat16 dot-product kernels, each where this CPU runs it."""
 
 
 def kernels() -> native_kernels.NativeKernels:
@@ -58,15 +62,19 @@ def run_kernel(
     value_cache: torch.Tensor,
     group: RowGroup,
     threads: int,
-    amx: bool = False,
+    bf16_dot: str | None = None,
 ) -> torch.Tensor:
-    """The kernel called directly (float32 or bfloat16, as the query; ``amx``: the AMX one),
-    with ``threads`` key ranges and tasks' scratch areas, scratch and output NaN before."""
+    """The kernel called directly (float32 or bfloat16, as the query; ``bf16_dot``: the
+    bfloat16 dot-product one on that unit), with ``threads`` key ranges and tasks' scratch
+    areas, scratch and output NaN before."""
     lib = kernels()
     kernel = lib.paged_attention if query.dtype == torch.float32 else lib.paged_attention_bf16
     scratch_numel = lib.paged_attention_scratch_numel
-    if amx:
-        kernel, scratch_numel = lib.paged_attention_amx, lib.paged_attention_amx_scratch_numel
+    if bf16_dot is not None:
+        kernel = {"amx": lib.paged_attention_amx, "avx512_bf16": lib.paged_attention_avx512_bf16}[
+            bf16_dot
+        ]
+        scratch_numel = lib.paged_attention_dot_bf16_scratch_numel
     batch, num_queries, nheads, head_dim = query.shape
     _, block_size, kvheads, _ = key_cache.shape
     rows = batch * num_queries * (nheads // kvheads)
@@ -163,15 +171,16 @@ def test_kernel_matches_float64_attention(
         assert float(error.max()) < TOL, threads
 
 
-@needs_amx
+@pytest.mark.parametrize("bf16_dot", DOTS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
 @pytest.mark.parametrize("case", CASES)
-def test_amx_kernel_matches_float64_attention(
-    head_dim: int, kvheads: int, group: int, case: Case
+def test_dot_kernels_match_float64_attention(
+    bf16_dot: str, head_dim: int, kvheads: int, group: int, case: Case
 ) -> None:
-    """The AMX kernel on the same cases (64-key tiles across 16- and 64-token blocks, 16-row
-    tiles past the rows' end), against float64 attention over the same bfloat16 values."""
+    """The bfloat16 dot-product kernels on the same cases (64-key tiles across 16- and 64-token
+    blocks, 16-row tiles past the rows' end), against float64 attention over the same bfloat16
+    values."""
     query, key_cache, value_cache, tables, positions = attention_case(
         torch.bfloat16, head_dim, kvheads, group, case
     )
@@ -181,14 +190,14 @@ def test_amx_kernel_matches_float64_attention(
     )
     probabilities = 2.0**-9 * float(value_cache.double().abs().max())
     for threads in (1, 2, 5):
-        got = run_kernel(query, key_cache, value_cache, plan.groups[0], threads, amx=True)
+        got = run_kernel(query, key_cache, value_cache, plan.groups[0], threads, bf16_dot)
         assert got.dtype == torch.bfloat16
         error = (got.double() - want).abs() - 2.0**-8 * want.abs() - probabilities
         assert float(error.max()) < TOL, threads
 
 
-@needs_amx
-def test_amx_rows_never_see_later_keys() -> None:
+@pytest.mark.parametrize("bf16_dot", DOTS)
+def test_dot_kernel_rows_never_see_later_keys(bf16_dot: str) -> None:
     """A 100-query chunk whose last position's key and value are changed to large values: every
     other row's output is the same bits (the masked keys share the rows' tiles), the last one's
     moves."""
@@ -200,11 +209,11 @@ def test_amx_rows_never_see_later_keys() -> None:
     key_cache = torch.randn(12, block_size, kvheads, head_dim).bfloat16()
     value_cache = torch.randn(12, block_size, kvheads, head_dim).bfloat16()
     query = torch.randn(1, 100, kvheads * 3, head_dim).bfloat16()
-    before = run_kernel(query, key_cache, value_cache, plan.groups[0], 2, amx=True)
+    before = run_kernel(query, key_cache, value_cache, plan.groups[0], 2, bf16_dot)
     last_block, last_offset = tables[0][119 // block_size], 119 % block_size
     key_cache[last_block, last_offset] = 300.0
     value_cache[last_block, last_offset] = -1000.0
-    after = run_kernel(query, key_cache, value_cache, plan.groups[0], 2, amx=True)
+    after = run_kernel(query, key_cache, value_cache, plan.groups[0], 2, bf16_dot)
     assert torch.equal(after[:, :99], before[:, :99])
     assert not torch.equal(after[:, 99], before[:, 99])
 
@@ -212,11 +221,12 @@ def test_amx_rows_never_see_later_keys() -> None:
 def test_the_kernel_refuses_other_head_dims() -> None:
     lib = kernels()
     assert lib.paged_attention_scratch_numel(48, 1, 1, 1) == -1
-    assert lib.paged_attention_amx_scratch_numel(48, 1, 1, 1) == -1
+    assert lib.paged_attention_dot_bf16_scratch_numel(48, 1, 1, 1) == -1
     null = 0
     args = (null, null, null, 16, 1, 1, 1, 1, null, 0, null, 1, null, 1.0, 1, null, null)
     assert lib.paged_attention(48, *args) == 1
     assert lib.paged_attention_amx(48, *args) == 1  # before any AMX instruction
+    assert lib.paged_attention_avx512_bf16(48, *args) == 1
 
 
 def test_the_wrapper_checks_its_input() -> None:
@@ -323,16 +333,26 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
         resolve_attention_kernel("native", torch.float32, 48)
     with pytest.raises(LinearKernelError, match=r"attention_kernel 'mixed'.*float16"):
         resolve_attention_kernel("mixed", torch.float16, 64)
-    with pytest.raises(LinearKernelError, match=r"attention_kernel 'amx'.*float32 with head_dim"):
-        resolve_attention_kernel("amx", torch.float32, 64)
-    # bfloat16: amx where the CPU has it, else mixed; amx itself refuses with the reason.
+    for dot in ("amx", "avx512_bf16"):
+        with pytest.raises(LinearKernelError, match=rf"'{dot}'.*float32 with head_dim"):
+            resolve_attention_kernel(dot, torch.float32, 64)  # type: ignore[arg-type]
+    # bfloat16: amx where the CPU has it, else avx512_bf16, else mixed; each refuses with the
+    # reason where it cannot run.
     monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: None)
+    monkeypatch.setattr(cpu_model, "avx512_bf16_unsupported_reason", lambda: None)
     assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "amx"
     assert resolve_attention_kernel("amx", torch.bfloat16, 128) == "amx"
+    assert resolve_attention_kernel("avx512_bf16", torch.bfloat16, 128) == "avx512_bf16"
     monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: "this CPU lacks amx_bf16")
-    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "mixed"
+    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "avx512_bf16"
     with pytest.raises(LinearKernelError, match=r"'amx' cannot run here: this CPU lacks amx_bf16"):
         resolve_attention_kernel("amx", torch.bfloat16, 64)
+    monkeypatch.setattr(
+        cpu_model, "avx512_bf16_unsupported_reason", lambda: "this CPU lacks avx512_bf16"
+    )
+    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "mixed"
+    with pytest.raises(LinearKernelError, match=r"'avx512_bf16' cannot run here: .*avx512_bf16"):
+        resolve_attention_kernel("avx512_bf16", torch.bfloat16, 64)
     monkeypatch.setattr(cpu_model, "unsupported_cpu_reason", lambda: "this CPU lacks avx2")
     assert resolve_attention_kernel("auto", torch.float32, 64) == "flash"
     assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "flash"
@@ -340,84 +360,107 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_the_runner_gets_our_kernel_or_none() -> None:
     native = cpu_attention_kernel("auto", dtype=torch.float32, head_dim=64)
-    assert isinstance(native, NativePagedAttention) and native.prefill and not native.amx
+    assert isinstance(native, NativePagedAttention) and native.prefill
+    assert native.bf16_dot is None
     auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
     assert isinstance(auto, NativePagedAttention)
     if amx_unsupported_reason() is None:
-        assert auto.prefill and auto.amx
+        assert auto.prefill and auto.bf16_dot == "amx"
+    elif avx512_bf16_unsupported_reason() is None:
+        assert auto.prefill and auto.bf16_dot == "avx512_bf16"
     else:
-        assert not auto.prefill and not auto.amx
+        assert not auto.prefill and auto.bf16_dot is None
     mixed = cpu_attention_kernel("mixed", dtype=torch.bfloat16, head_dim=64)
-    assert isinstance(mixed, NativePagedAttention) and not mixed.prefill and not mixed.amx
+    assert isinstance(mixed, NativePagedAttention) and not mixed.prefill
+    assert mixed.bf16_dot is None
     native = cpu_attention_kernel("native", dtype=torch.bfloat16, head_dim=64)
-    assert isinstance(native, NativePagedAttention) and native.prefill and not native.amx
+    assert isinstance(native, NativePagedAttention) and native.prefill
+    assert native.bf16_dot is None
     assert cpu_attention_kernel("auto", dtype=torch.float32, head_dim=48) is None
     assert cpu_attention_kernel("flash", dtype=torch.float32, head_dim=64) is None
 
 
-def test_the_amx_wrapper_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        native_attention, "amx_unsupported_reason", lambda: "this CPU lacks amx_tile"
-    )
-    with pytest.raises(ValueError, match=r"AMX attention kernel cannot run here: .*amx_tile"):
-        NativePagedAttention(kernels(), amx=True)
-    monkeypatch.setattr(native_attention, "amx_unsupported_reason", lambda: None)
+@pytest.mark.parametrize(
+    ("bf16_dot", "check", "missing"),
+    [
+        ("amx", "amx_unsupported_reason", "amx_tile"),
+        ("avx512_bf16", "avx512_bf16_unsupported_reason", "avx512_bf16"),
+    ],
+)
+def test_the_dot_wrappers_refuse_what_they_cannot_run(
+    bf16_dot: Any, check: str, missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native_attention, check, lambda: f"this CPU lacks {missing}")
+    with pytest.raises(
+        ValueError, match=rf"{bf16_dot} attention kernel cannot run here: .*{missing}"
+    ):
+        NativePagedAttention(kernels(), bf16_dot=bf16_dot)
+    monkeypatch.setattr(native_attention, check, lambda: None)
     cache = torch.randn(6, BS, 2, 64)
     with pytest.raises(
-        ValueError, match=r"AMX attention kernel takes bfloat16, not torch\.float32"
+        ValueError, match=rf"{bf16_dot} attention kernel takes bfloat16, not torch\.float32"
     ):
-        NativePagedAttention(kernels(), amx=True)(
+        NativePagedAttention(kernels(), bf16_dot=bf16_dot)(
             torch.randn(1, 1, 4, 64), cache, cache, plan_attention([[1]], [[5]], BS), 0.125
         )
 
 
 def test_without_amx_intrinsics_the_library_builds_stubs_that_refuse(tmp_path: Path) -> None:
-    """The AMX file compiled as a compiler without AMX intrinsics does (``SPYRE_NO_AMX``): the
-    entry points exist, say they are stubs, and refuse every call without touching memory."""
+    """The dot-product file compiled as a compiler without AMX intrinsics does
+    (``SPYRE_NO_DOT_BF16``): the entry points exist, say they are stubs, and refuse every call
+    without touching memory."""
     library = tmp_path / "stub.so"
-    source = native_kernels.KERNELS / "attention_amx.cpp"
-    flags = [*native_kernels.FLAGS, "-DSPYRE_NO_AMX"]
+    source = native_kernels.KERNELS / "attention_dot_bf16.cpp"
+    flags = [*native_kernels.FLAGS, "-DSPYRE_NO_DOT_BF16"]
     subprocess.run(["g++", *flags, str(source), "-o", str(library)], check=True)
     lib = ctypes.CDLL(str(library))
-    lib.spyre_paged_attention_amx_scratch_numel.restype = ctypes.c_int64
-    assert lib.spyre_amx_compiled() == 0
-    assert lib.spyre_paged_attention_amx_scratch_numel(*map(ctypes.c_int64, (64, 3, 24, 2))) == -1
+    lib.spyre_paged_attention_dot_bf16_scratch_numel.restype = ctypes.c_int64
+    assert lib.spyre_dot_bf16_compiled() == 0
+    numel_args = map(ctypes.c_int64, (64, 3, 24, 2))
+    assert lib.spyre_paged_attention_dot_bf16_scratch_numel(*numel_args) == -1
     null = ctypes.c_void_p(0)
     args = [ctypes.c_int64(64), null, null, null, *map(ctypes.c_int64, (16, 1, 1, 1, 1))]
     args += [null, ctypes.c_int64(0), null, ctypes.c_int64(1), null, ctypes.c_float(1.0)]
     args += [ctypes.c_int64(1), null, null]
     assert lib.spyre_paged_attention_amx(*args) == 2
+    assert lib.spyre_paged_attention_avx512_bf16(*args) == 2
     version = subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True, check=True)
     if int(version.stdout.split(".")[0]) >= 11:  # the kernels built for the tests have it
-        assert kernels().amx_compiled
+        assert kernels().dot_bf16_compiled
 
 
-def test_auto_falls_back_to_mixed_where_the_kernels_lack_amx(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("bf16_dot", ["amx", "avx512_bf16"])
+def test_auto_falls_back_to_mixed_where_the_kernels_lack_the_dot_kernels(
+    bf16_dot: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On an AMX CPU whose kernels were built without AMX intrinsics: auto runs mixed (and logs
-    why), an explicit amx stops the start with the reason, the wrapper refuses."""
-    stubbed = dataclasses.replace(kernels(), amx_compiled=False)
-    monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: None)
+    """On a CPU with the unit whose kernels were built without AMX intrinsics: auto runs mixed
+    (and logs why), an explicit request stops the start with the reason, the wrapper refuses."""
+    stubbed = dataclasses.replace(kernels(), dot_bf16_compiled=False)
+    monkeypatch.setattr(
+        cpu_model, "amx_unsupported_reason", lambda: None if bf16_dot == "amx" else "no AMX"
+    )
+    monkeypatch.setattr(cpu_model, "avx512_bf16_unsupported_reason", lambda: None)
     monkeypatch.setattr(native_attention, "amx_unsupported_reason", lambda: None)
+    monkeypatch.setattr(native_attention, "avx512_bf16_unsupported_reason", lambda: None)
     monkeypatch.setattr(cpu_model, "_native_kernels", lambda kernel_dir: stubbed)
     auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
-    assert isinstance(auto, NativePagedAttention) and not auto.prefill and not auto.amx
-    with pytest.raises(LinearKernelError, match=r"'amx' cannot run here: .*g\+\+ 11"):
-        cpu_attention_kernel("amx", dtype=torch.bfloat16, head_dim=64)
+    assert isinstance(auto, NativePagedAttention) and not auto.prefill
+    assert auto.bf16_dot is None
+    with pytest.raises(LinearKernelError, match=rf"'{bf16_dot}' cannot run here: .*g\+\+ 11"):
+        cpu_attention_kernel(bf16_dot, dtype=torch.bfloat16, head_dim=64)
     with pytest.raises(ValueError, match=r"compiled without AMX intrinsics"):
-        NativePagedAttention(stubbed, amx=True)
+        NativePagedAttention(stubbed, bf16_dot=bf16_dot)
 
 
-@needs_amx
-def test_the_amx_wrapper_runs_every_row_group() -> None:
+@pytest.mark.parametrize("bf16_dot", DOTS)
+def test_the_dot_wrappers_run_every_row_group(bf16_dot: Any) -> None:
     """Through the wrapper: a decode batch of two row groups (two families and a lone row) and
     a prefill chunk, against float64 attention over the same bfloat16 values."""
     torch.manual_seed(5)
     nheads, kvheads, head_dim = 6, 2, 64
     key_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
     value_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
-    amx = NativePagedAttention(kernels(), amx=True)
+    attend = NativePagedAttention(kernels(), bf16_dot=bf16_dot)
     probabilities = 2.0**-9 * float(value_cache.double().abs().max())
     for tables, positions, num_groups in (
         (
@@ -430,60 +473,10 @@ def test_the_amx_wrapper_runs_every_row_group() -> None:
         plan = plan_attention(tables, positions, BS)
         assert len(plan.groups) == num_groups
         query = torch.randn(len(tables), len(positions[0]), nheads, head_dim).bfloat16()
-        got = amx(query, key_cache, value_cache, plan, 0.125)
+        got = attend(query, key_cache, value_cache, plan, 0.125)
         want = naive_attention(
             query.double(), key_cache.double(), value_cache.double(), tables, positions
         )
         assert got.dtype == torch.bfloat16
         error = (got.double() - want).abs() - 2.0**-8 * want.abs() - probabilities
         assert float(error.max()) < TOL
-
-
-def test_native_attention_on_a_head_dim_it_cannot_compute_fails_at_start(
-    make_engine: object,
-) -> None:
-    """The micro model has head_dim 48."""
-    with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*head_dim 48"):
-        make_engine(model__attention_kernel="native")  # type: ignore[operator]
-
-
-def test_without_prefill_chunks_go_to_flash_and_decode_steps_to_ours(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``model.attention_kernel: auto`` in bfloat16: a prefill chunk's queries through SDPA's
-    flash kernel (our kernel never called), a decode batch's through ours (flash never called),
-    both equal to attention in float64 over the same bfloat16 values."""
-    torch.manual_seed(4)
-    nheads, kvheads, head_dim = 6, 2, 64
-    key_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
-    value_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
-    mixed = NativePagedAttention(kernels(), prefill=False)
-    ours, flash = [], []
-    group_call, flash_call = mixed._group, paged_attention._flash_attention
-
-    def counted_group(*args: Any) -> None:
-        ours.append(1)
-        group_call(*args)
-
-    def counted_flash(*args: Any, **kwargs: Any) -> Any:
-        flash.append(1)
-        return flash_call(*args, **kwargs)
-
-    monkeypatch.setattr(mixed, "_group", counted_group)
-    monkeypatch.setattr(paged_attention, "_flash_attention", counted_flash)
-    for tables, positions, by_ours in (
-        ([[7, 8, 9]], [list(range(130, 160))], False),  # a prefill chunk of 30 queries
-        ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[250], [200], [130]], True),  # decode
-    ):
-        ours.clear()
-        flash.clear()
-        query = torch.randn(len(tables), len(positions[0]), nheads, head_dim).bfloat16()
-        got = mixed(query, key_cache, value_cache, plan_attention(tables, positions, BS), 0.125)
-        want = naive_attention(
-            query.double(), key_cache.double(), value_cache.double(), tables, positions
-        )
-        assert got.dtype == torch.bfloat16
-        # ours rounds once; flash rounds inside too (test_paged_attention's bfloat16 tolerance)
-        tolerance = 2.0**-8 * float(want.abs().max()) + TOL if by_ours else 2e-2
-        assert max_abs(got, want) < tolerance
-        assert (bool(ours), bool(flash)) == (by_ours, not by_ours)

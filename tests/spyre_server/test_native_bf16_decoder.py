@@ -14,7 +14,7 @@ import torch
 from spyre_server.model.cpu_backend import CpuModelRunner
 from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder
 from spyre_server.model.native_bf16_decoder import NativeBf16Decoder, unsupported_reason
-from tests.conftest import needs_amx, needs_native_kernels
+from tests.conftest import needs_amx, needs_avx512_bf16, needs_native_kernels
 from tests.spyre_server.test_aten_decoder import (
     BF16_LOGIT_TOL,
     bf16_linear_kernel,
@@ -44,7 +44,14 @@ def bf16_copy(model64: torch.nn.Module) -> torch.nn.Module:  # noqa: F811
 
 @pytest.mark.parametrize(
     "attention_kernel",
-    ["auto", "native", "mixed", "flash", pytest.param("amx", marks=needs_amx)],
+    [
+        "auto",
+        "native",
+        "mixed",
+        "flash",
+        pytest.param("amx", marks=needs_amx),
+        pytest.param("avx512_bf16", marks=needs_avx512_bf16),
+    ],
 )
 def test_every_step_is_the_fms_forward_bit_for_bit(
     bf16_copy: torch.nn.Module, attention_kernel: str

@@ -1,32 +1,35 @@
-// Paged attention on AMX for bfloat16 caches: the same contract as spyre_paged_attention_bf16
-// (attention.cpp), with both products on the tile unit (bfloat16 in, float32 accumulation) and
-// the softmax in float32 AVX-512, as SDPA's flash kernel computes bfloat16 (the probabilities are
-// rounded to bfloat16 for the product with the values).
+// Paged attention for bfloat16 caches with both products as bfloat16 dot products (float32
+// accumulation): on the AMX tile unit (spyre_paged_attention_amx) or as AVX512-BF16 vector dot
+// products (spyre_paged_attention_avx512_bf16). The same contract as spyre_paged_attention_bf16
+// (attention.cpp); the softmax in float32 AVX-512, as SDPA's flash kernel computes bfloat16 (the
+// probabilities are rounded to bfloat16 for the product with the values).
 //
-// Only entered on CPUs with AMX-BF16 and AVX512-BF16/BW/VL/DQ, in a process that Linux granted
-// the AMX tile state (native_kernels.amx_unsupported_reason checks both). Every function here is
-// compiled for those features (the pragma below) and has internal linkage: no inline function of
-// this file can stand in for one of the AVX2 files'.
+// The AMX kernel is only entered on CPUs with AMX-BF16 and AVX512-BF16/BW/VL/DQ, in a process that
+// Linux granted the AMX tile state (native_kernels.amx_unsupported_reason checks both); the
+// AVX512-BF16 one on CPUs with AVX512-BF16/BW/VL/DQ. Every function here is compiled for those
+// features (the pragma below) and has internal linkage: no inline function of this file can stand
+// in for one of the AVX2 files'.
 //
 // Per tile of kKeys (64) keys of one KV head, the keys are transposed once into the tile unit's
 // pair-interleaved ("VNNI") layout and the values interleaved by key pairs; then every 16-row
-// tile of queries that sees the tile computes its scores = q . k^T (4 x D / 32 tile products),
-// the online softmax of its rows (in powers of 2, each row's sum in 16 lanes), and o += p . v
-// (2 x D / 16 tile products). The parts are attention.cpp's: the shared blocks (no mask, every
-// row, the keys split into one range per thread) and each sequence's own blocks (causal, one
-// task per sequence, head and 64 rows), merged through their log-sum-exps (in log2 units here).
+// tile of queries that sees the tile computes its scores = q . k^T, the online softmax of its
+// rows (in powers of 2, each row's sum in 16 lanes), and o = o * rescale + p . v. Only the two
+// products differ between the units (struct Amx, struct Avx512Bf16). The parts are
+// attention.cpp's: the shared blocks (no mask, every row, the keys split into one range per
+// thread) and each sequence's own blocks (causal, one task per sequence, head and 64 rows),
+// merged through their log-sum-exps (in log2 units here).
 //
-// A compiler without AMX intrinsics (GCC before 11, clang before 12), or SPYRE_NO_AMX defined,
-// builds the entry points as stubs: spyre_amx_compiled() says 0 and the kernel refuses (returns
-// 2), so the rest of the library still builds and runs there.
+// A compiler without AMX intrinsics (GCC before 11, clang before 12), or SPYRE_NO_DOT_BF16
+// defined, builds the entry points as stubs: spyre_dot_bf16_compiled() says 0 and the kernels
+// refuse (return 2), so the rest of the library still builds and runs there.
 #include <stdint.h>
 
-#if !defined(SPYRE_NO_AMX) && \
+#if !defined(SPYRE_NO_DOT_BF16) && \
     (defined(__clang__) ? __clang_major__ >= 12 : defined(__GNUC__) && __GNUC__ >= 11)
-#define SPYRE_AMX 1
+#define SPYRE_DOT_BF16 1
 #endif
 
-#ifdef SPYRE_AMX
+#ifdef SPYRE_DOT_BF16
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 #include <immintrin.h>
 #include <math.h>
@@ -181,34 +184,159 @@ inline __mmask16 visible_mask(int64_t nv, int64_t k) {
     return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// The two products of a 16-row tile, on the AMX tile unit. begin/end bracket a thread's use
+// of the unit. scores: s = q . k^T for w's key tile. values: o = o * rescale + p . v, for the
+// rows with visible > 0 (the others' o is left as it is: their rescale is 1, or o is 0).
+struct Amx {
+    static void begin() { configure_tiles(); }
+    static void end() { _tile_release(); }
+
+    template <int64_t D>
+    static void scores(const uint16_t* q, const int64_t*, Work<D>& w) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < D / 32; c++) {
+            const uint16_t* kt = w.kt + 4 * c * kTileBf16;
+            _tile_loadd(4, q + 32 * c, D * 2);
+            _tile_loadd(5, kt, 64);
+            _tile_loadd(6, kt + kTileBf16, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(7, kt + 2 * kTileBf16, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, kt + 3 * kTileBf16, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, w.s, kKeys * 4);
+        _tile_stored(1, w.s + 16, kKeys * 4);
+        _tile_stored(2, w.s + 32, kKeys * 4);
+        _tile_stored(3, w.s + 48, kKeys * 4);
+    }
+
+    template <int64_t D>
+    static void values(const int64_t*, const float* rescale, Work<D>& w, float* o) {
+        _tile_loadd(4, w.p, kKeys * 2);
+        _tile_loadd(5, w.p + 32, kKeys * 2);
+        for (int64_t e0 = 0; e0 < D / 16; e0 += 4) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            const uint16_t* vt = w.vt + 2 * e0 * kTileBf16;
+            _tile_loadd(6, vt, 64);
+            _tile_loadd(7, vt + kTileBf16, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 7);
+            _tile_loadd(6, vt + 2 * kTileBf16, 64);
+            _tile_loadd(7, vt + 3 * kTileBf16, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(1, 5, 7);
+            _tile_loadd(6, vt + 4 * kTileBf16, 64);
+            _tile_loadd(7, vt + 5 * kTileBf16, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(2, 5, 7);
+            _tile_loadd(6, vt + 6 * kTileBf16, 64);
+            _tile_loadd(7, vt + 7 * kTileBf16, 64);
+            _tile_dpbf16ps(3, 4, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_stored(0, w.ot + 16 * e0, D * 4);
+            _tile_stored(1, w.ot + 16 * (e0 + 1), D * 4);
+            _tile_stored(2, w.ot + 16 * (e0 + 2), D * 4);
+            _tile_stored(3, w.ot + 16 * (e0 + 3), D * 4);
+        }
+        for (int64_t i = 0; i < kRows; i++) {
+            const __m512 r = _mm512_set1_ps(rescale[i]);
+            for (int64_t d = 0; d < D; d += 16) {
+                float* od = o + i * D + d;
+                _mm512_store_ps(od, _mm512_fmadd_ps(_mm512_load_ps(od), r, _mm512_load_ps(w.ot + i * D + d)));
+            }
+        }
+    }
+};
+
+// The same products as AVX512-BF16 dot products (vdpbf16ps) from the same layouts: a tile row of
+// kt or vt is one vector of 16 key (or dimension) lanes, each a bfloat16 pair, against a query's
+// (or probability row's) pair broadcast. kBlock rows at a time; a block whose rows all see
+// nothing is skipped (a decode step's rows fill few of a tile's 16).
+struct Avx512Bf16 {
+    static constexpr int64_t kBlock = 4;  // rows per register block: 16 accumulators
+
+    static void begin() {}
+    static void end() {}
+
+    static bool sees_nothing(const int64_t* visible, int64_t i0) {
+        for (int64_t i = i0; i < i0 + kBlock; i++)
+            if (visible[i] > 0) return false;
+        return true;
+    }
+
+    static __m512bh pair(const uint16_t* p) {
+        int32_t bits;
+        __builtin_memcpy(&bits, p, 4);
+        return (__m512bh)_mm512_set1_epi32(bits);
+    }
+
+    template <int64_t D>
+    static void scores(const uint16_t* q, const int64_t* visible, Work<D>& w) {
+        for (int64_t i0 = 0; i0 < kRows; i0 += kBlock) {
+            if (sees_nothing(visible, i0)) continue;
+            __m512 acc[kBlock][4];
+            for (int64_t i = 0; i < kBlock; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D / 32; c++)
+                for (int64_t r = 0; r < 16; r++) {
+                    const uint16_t* kt = w.kt + 4 * c * kTileBf16 + 32 * r;
+                    __m512bh k[4];
+                    for (int j = 0; j < 4; j++) k[j] = (__m512bh)_mm512_load_si512(kt + j * kTileBf16);
+                    for (int64_t i = 0; i < kBlock; i++) {
+                        const __m512bh qp = pair(q + (i0 + i) * D + 32 * c + 2 * r);
+                        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qp, k[j]);
+                    }
+                }
+            for (int64_t i = 0; i < kBlock; i++)
+                for (int j = 0; j < 4; j++) _mm512_store_ps(w.s + (i0 + i) * kKeys + 16 * j, acc[i][j]);
+        }
+    }
+
+    template <int64_t D>
+    static void values(const int64_t* visible, const float* rescale, Work<D>& w, float* o) {
+        for (int64_t i0 = 0; i0 < kRows; i0 += kBlock) {
+            if (sees_nothing(visible, i0)) continue;
+            for (int64_t e0 = 0; e0 < D / 16; e0 += 4) {
+                __m512 acc[kBlock][4];
+                for (int64_t i = 0; i < kBlock; i++) {
+                    const __m512 r = _mm512_set1_ps(rescale[i0 + i]);
+                    for (int e = 0; e < 4; e++)
+                        acc[i][e] = _mm512_mul_ps(_mm512_load_ps(o + (i0 + i) * D + 16 * (e0 + e)), r);
+                }
+                for (int64_t kp = 0; kp < kKeys / 2; kp++) {
+                    const uint16_t* vt = w.vt + (2 * e0 + kp / 16) * kTileBf16 + 32 * (kp % 16);
+                    __m512bh v[4];
+                    for (int e = 0; e < 4; e++) v[e] = (__m512bh)_mm512_load_si512(vt + 2 * e * kTileBf16);
+                    for (int64_t i = 0; i < kBlock; i++) {
+                        const __m512bh pp = pair(w.p + (i0 + i) * kKeys + 2 * kp);
+                        for (int e = 0; e < 4; e++) acc[i][e] = _mm512_dpbf16_ps(acc[i][e], pp, v[e]);
+                    }
+                }
+                for (int64_t i = 0; i < kBlock; i++)
+                    for (int e = 0; e < 4; e++)
+                        _mm512_store_ps(o + (i0 + i) * D + 16 * (e0 + e), acc[i][e]);
+            }
+        }
+    }
+};
+
 // The 16 rows q [kRows][D] (bfloat16) against the tile in w: row i sees the tile's first
 // visible[i] keys (0: none, and its state is untouched). Their online-softmax states are
 // o [kRows][D], m [kRows] (in log2 units: scale2 is the scale times log2(e)) and l [kRows][16]
 // (each row's sum in 16 lanes, added at the end).
-template <int64_t D>
+template <class Unit, int64_t D>
 void attend_rows(const uint16_t* q, const int64_t* visible, float scale2, Work<D>& w, float* o,
                  float* m, float* l) {
     static_assert(kKeys == 64, "four score tiles, two probability tiles");
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < D / 32; c++) {
-        const uint16_t* kt = w.kt + 4 * c * kTileBf16;
-        _tile_loadd(4, q + 32 * c, D * 2);
-        _tile_loadd(5, kt, 64);
-        _tile_loadd(6, kt + kTileBf16, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(7, kt + 2 * kTileBf16, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, kt + 3 * kTileBf16, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, w.s, kKeys * 4);
-    _tile_stored(1, w.s + 16, kKeys * 4);
-    _tile_stored(2, w.s + 32, kKeys * 4);
-    _tile_stored(3, w.s + 48, kKeys * 4);
+    Unit::template scores<D>(q, visible, w);
     // Per row: the tile's max, the probabilities 2^(scale2 * s - new max), their sum. The old
     // maxes' rescale factors are computed after, for the 16 rows at once.
     alignas(64) float old_max[kRows], new_max[kRows], rescale[kRows];
@@ -250,42 +378,7 @@ void attend_rows(const uint16_t* q, const int64_t* visible, float scale2, Work<D
     for (int64_t i = 0; i < kRows; i++)
         _mm512_store_ps(l + 16 * i, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * i), _mm512_set1_ps(rescale[i]),
                                                     _mm512_load_ps(sums[i])));
-    _tile_loadd(4, w.p, kKeys * 2);
-    _tile_loadd(5, w.p + 32, kKeys * 2);
-    for (int64_t e0 = 0; e0 < D / 16; e0 += 4) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const uint16_t* vt = w.vt + 2 * e0 * kTileBf16;
-        _tile_loadd(6, vt, 64);
-        _tile_loadd(7, vt + kTileBf16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(0, 5, 7);
-        _tile_loadd(6, vt + 2 * kTileBf16, 64);
-        _tile_loadd(7, vt + 3 * kTileBf16, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_dpbf16ps(1, 5, 7);
-        _tile_loadd(6, vt + 4 * kTileBf16, 64);
-        _tile_loadd(7, vt + 5 * kTileBf16, 64);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_dpbf16ps(2, 5, 7);
-        _tile_loadd(6, vt + 6 * kTileBf16, 64);
-        _tile_loadd(7, vt + 7 * kTileBf16, 64);
-        _tile_dpbf16ps(3, 4, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        _tile_stored(0, w.ot + 16 * e0, D * 4);
-        _tile_stored(1, w.ot + 16 * (e0 + 1), D * 4);
-        _tile_stored(2, w.ot + 16 * (e0 + 2), D * 4);
-        _tile_stored(3, w.ot + 16 * (e0 + 3), D * 4);
-    }
-    for (int64_t i = 0; i < kRows; i++) {
-        const __m512 r = _mm512_set1_ps(rescale[i]);
-        for (int64_t d = 0; d < D; d += 16) {
-            float* od = o + i * D + d;
-            _mm512_store_ps(od, _mm512_fmadd_ps(_mm512_load_ps(od), r, _mm512_load_ps(w.ot + i * D + d)));
-        }
-    }
+    Unit::template values<D>(visible, rescale, w, o);
 }
 
 inline float row_sum(const float* l) { return _mm512_reduce_add_ps(_mm512_load_ps(l)); }
@@ -316,7 +409,7 @@ struct Layout {
 
 // The shared blocks: every row of every head against keys [0, L) of ctx, in `threads` key ranges
 // (one task per range, over every head), merged into out [H][Rp][D] and lse [H][Rp] (log2).
-template <int64_t D>
+template <class Unit, int64_t D>
 void shared_part(const uint16_t* qs, const Layout<D>& lay, const Context& ctx, int64_t L,
                  float scale2, float* states, float* works, float* out, float* lse) {
     const int64_t H = lay.H, R = lay.R, Rp = lay.Rp(), Rq = lay.Rq(), splits = lay.threads;
@@ -324,7 +417,7 @@ void shared_part(const uint16_t* qs, const Layout<D>& lay, const Context& ctx, i
     const int64_t range = ((L + splits - 1) / splits + kKeys - 1) / kKeys * kKeys;
     #pragma omp parallel for schedule(static) num_threads(lay.threads)
     for (int64_t sp = 0; sp < splits; sp++) {
-        configure_tiles();
+        Unit::begin();
         const int64_t k0 = sp * range, k1 = (sp + 1) * range < L ? (sp + 1) * range : L;
         Work<D> w(works + sp * lay.thread_work());
         for (int64_t h = 0; h < H; h++) {
@@ -339,12 +432,12 @@ void shared_part(const uint16_t* qs, const Layout<D>& lay, const Context& ctx, i
                 float* o = states + (h * splits + sp) * state;
                 for (int64_t r0 = 0; r0 < R; r0 += kRows) {
                     for (int64_t i = 0; i < kRows; i++) visible[i] = r0 + i < R ? nk : 0;
-                    attend_rows<D>(qs + (h * Rq + r0) * D, visible, scale2, w, o + r0 * D,
+                    attend_rows<Unit, D>(qs + (h * Rq + r0) * D, visible, scale2, w, o + r0 * D,
                                    o + Rp * D + r0, o + Rp * D + Rp + 16 * r0);
                 }
             }
         }
-        _tile_release();
+        Unit::end();
     }
     #pragma omp parallel for schedule(static) num_threads(lay.threads)
     for (int64_t hr = 0; hr < H * R; hr++) {
@@ -378,7 +471,7 @@ inline uint16_t round_bf16(float f) {
     return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-template <int64_t D>
+template <class Unit, int64_t D>
 void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                      int64_t bs, int64_t H, int64_t G, int64_t n, int64_t nq,
                      const int64_t* shared_blocks, int64_t num_shared, const int64_t* own_blocks,
@@ -404,13 +497,13 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
     }
     if (num_shared > 0) {
         const Context ctx{k_cache, v_cache, shared_blocks, bs, ldk};
-        shared_part<D>(qs, lay, ctx, shared_len, scale2, states, works, shared_out, shared_lse);
+        shared_part<Unit, D>(qs, lay, ctx, shared_len, scale2, states, works, shared_out, shared_lse);
     }
     // The own blocks: one task per (sequence, head, block of kOwnRows rows), causal.
     const int64_t row_blocks = (Rb + kOwnRows - 1) / kOwnRows;
     #pragma omp parallel num_threads(threads)
     {
-        configure_tiles();
+        Unit::begin();
         float* base = works + omp_get_thread_num() * lay.thread_work();
         Work<D> w(base);
         float* o = base + Work<D>::kFloats;
@@ -441,7 +534,7 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                         const int64_t seen = limits[i0 + i] - t0;
                         visible[i] = seen < 0 ? 0 : seen < nk ? seen : nk;
                     }
-                    attend_rows<D>(qrows + i0 * D, visible, scale2, w, o + i0 * D, m + i0, l + 16 * i0);
+                    attend_rows<Unit, D>(qrows + i0 * D, visible, scale2, w, o + i0 * D, m + i0, l + 16 * i0);
                 }
             }
             // Merge with the shared part through the log-sum-exps, into out's layout.
@@ -461,29 +554,46 @@ void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                     dst[d] = round_bf16((o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
             }
         }
-        _tile_release();
+        Unit::end();
     }
 }
 
+template <class Unit>
+int paged_attention_on(int64_t head_dim, const uint16_t* q, const uint16_t* k_cache,
+                       const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G, int64_t n,
+                       int64_t nq, const int64_t* shared_blocks, int64_t num_shared,
+                       const int64_t* own_blocks, int64_t num_own, const int64_t* positions,
+                       float scale, int64_t threads, float* scratch, uint16_t* out) {
+    if (head_dim == 64)
+        paged_attention<Unit, 64>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                                  own_blocks, num_own, positions, scale, threads, scratch, out);
+    else if (head_dim == 128)
+        paged_attention<Unit, 128>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                                   own_blocks, num_own, positions, scale, threads, scratch, out);
+    else
+        return 1;
+    return 0;
+}
+
 }  // namespace
-#endif  // SPYRE_AMX
+#endif  // SPYRE_DOT_BF16
 
 extern "C" {
 
-// 1 where the kernel below was compiled, 0 for the stubs.
-int spyre_amx_compiled() {
-#ifdef SPYRE_AMX
+// 1 where the kernels below were compiled, 0 for the stubs.
+int spyre_dot_bf16_compiled() {
+#ifdef SPYRE_DOT_BF16
     return 1;
 #else
     return 0;
 #endif
 }
 
-// Floats of scratch spyre_paged_attention_amx needs (64-byte aligned), -1 for a head_dim other
-// than 64 and 128.
-int64_t spyre_paged_attention_amx_scratch_numel(int64_t head_dim, int64_t H, int64_t rows,
-                                                int64_t threads) {
-#ifndef SPYRE_AMX
+// Floats of scratch either kernel below needs (64-byte aligned), -1 for a head_dim other than
+// 64 and 128.
+int64_t spyre_paged_attention_dot_bf16_scratch_numel(int64_t head_dim, int64_t H, int64_t rows,
+                                                     int64_t threads) {
+#ifndef SPYRE_DOT_BF16
     return -1;
 #else
     if (head_dim == 64) return Layout<64>{H, rows, threads}.numel();
@@ -492,8 +602,8 @@ int64_t spyre_paged_attention_amx_scratch_numel(int64_t head_dim, int64_t H, int
 #endif
 }
 
-// spyre_paged_attention_bf16's contract (attention.cpp) on AMX; its own scratch size. Only on a
-// CPU with the features above, in a process Linux granted the AMX tile state (arch_prctl).
+// spyre_paged_attention_bf16's contract (attention.cpp) on AMX; the scratch size above. Only on
+// a CPU with the features above, in a process Linux granted the AMX tile state (arch_prctl).
 // Returns 1 for a head_dim other than 64 and 128, 2 for the stub (nothing written).
 int spyre_paged_attention_amx(int64_t head_dim, const uint16_t* q, const uint16_t* k_cache,
                               const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G,
@@ -501,18 +611,28 @@ int spyre_paged_attention_amx(int64_t head_dim, const uint16_t* q, const uint16_
                               int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
                               const int64_t* positions, float scale, int64_t threads,
                               float* scratch, uint16_t* out) {
-#ifndef SPYRE_AMX
+#ifndef SPYRE_DOT_BF16
     return 2;
 #else
-    if (head_dim == 64)
-        paged_attention<64>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                            own_blocks, num_own, positions, scale, threads, scratch, out);
-    else if (head_dim == 128)
-        paged_attention<128>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                             own_blocks, num_own, positions, scale, threads, scratch, out);
-    else
-        return 1;
-    return 0;
+    return paged_attention_on<Amx>(head_dim, q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks,
+                                   num_shared, own_blocks, num_own, positions, scale, threads,
+                                   scratch, out);
+#endif
+}
+
+// The same on AVX512-BF16 dot products (CPUs with AVX512-BF16/BW/VL/DQ, no AMX needed).
+int spyre_paged_attention_avx512_bf16(int64_t head_dim, const uint16_t* q, const uint16_t* k_cache,
+                                      const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G,
+                                      int64_t n, int64_t nq, const int64_t* shared_blocks,
+                                      int64_t num_shared, const int64_t* own_blocks,
+                                      int64_t num_own, const int64_t* positions, float scale,
+                                      int64_t threads, float* scratch, uint16_t* out) {
+#ifndef SPYRE_DOT_BF16
+    return 2;
+#else
+    return paged_attention_on<Avx512Bf16>(head_dim, q, k_cache, v_cache, bs, H, G, n, nq,
+                                          shared_blocks, num_shared, own_blocks, num_own,
+                                          positions, scale, threads, scratch, out);
 #endif
 }
 
