@@ -13,7 +13,8 @@ read) and GFLOP/s, next to the limits measured here first:
 
 The two workloads of issue 12: a decode step of 8 rows over a 1,536-token shared prefix (+ 2
 own blocks each), and a warm prefill of 64 new tokens over the same prefix. Then all of a step's
-projections under each linear kernel (native, onednn) at 1, 8, 64 and 256 rows, with the ratio.
+projections under each linear kernel (native, onednn; on AVX512F CPUs also native with its
+512-bit prefill path off, "avx2") at 1, 8, 64 and 256 rows, with the ratios.
 """
 
 from __future__ import annotations
@@ -110,15 +111,26 @@ def linears(rows: int, factory: LinearFactory) -> list[Kernel]:
 def compare_linear_kernels(rows_list: tuple[int, ...]) -> None:
     """All of a step's projections under each kernel, in one run: ms per step and the ratio."""
     print("\n== the projections of a step (30 layers + LM head) per linear kernel, ms/step ==")
+    lib = load_native_kernels(default_kernel_dir())
     names = list(LINEAR_KERNELS)
-    print(f"{'rows':>5} " + " ".join(f"{n:>8}" for n in names) + "   native/onednn")
+    avx512 = lib.linear_avx512(1) == 1  # native's 512-bit path from 16 rows (AVX512F CPUs)
+    if avx512:
+        names.append("avx2")  # native with that path off
+    print(f"{'rows':>5} " + " ".join(f"{n:>8}" for n in names) + "   native/onednn native/avx2")
     for rows in rows_list:
         per_kernel = {
             n: sum(calls * t for _, t, _, _, calls in linears(rows, f))
             for n, f in LINEAR_KERNELS.items()
         }
+        if avx512:
+            lib.linear_avx512(0)
+            per_kernel["avx2"] = sum(c * t for _, t, _, _, c in linears(rows, native_linear))
+            lib.linear_avx512(1)
         cells = " ".join(f"{per_kernel[n] * 1e3:8.1f}" for n in names)
-        print(f"{rows:5d} {cells}   {per_kernel['native'] / per_kernel['onednn']:.2f}x")
+        ratio = f"{per_kernel['native'] / per_kernel['avx2']:.2f}x" if avx512 else ""
+        print(
+            f"{rows:5d} {cells}   {per_kernel['native'] / per_kernel['onednn']:13.2f}x {ratio:>11}"
+        )
 
 
 def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -189,6 +189,9 @@ class NativeKernels:
     panels."""
     linear: Callable[[int, int, int, int, int, int], None]
     """(x, panels, out, M, K, N): out [M, N] = x [M, K] @ weight.T, both contiguous."""
+    linear_avx512: Callable[[int], int]
+    """(enable) -> 1 where from 16 rows on ``linear`` runs 512 bits wide (CPUs with AVX512F: on
+    by default), else 0; 0 turns it off. The same bits either way."""
     linear_add: Callable[[int, int, int, int, int, int], None]
     """(x, panels, out, M, K, N): out [M, N] += x [M, K] @ weight.T (a residual in place, the
     same bits as ``linear`` then an add)."""
@@ -256,6 +259,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_linear_f32_pack.restype = None
     lib.spyre_linear_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_linear_f32.restype = None
+    lib.spyre_linear_f32_avx512.argtypes = [ctypes.c_int]
+    lib.spyre_linear_f32_avx512.restype = ctypes.c_int
     lib.spyre_linear_add_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_linear_add_f32.restype = None
     lib.spyre_paged_attention_f32_scratch_numel.argtypes = [i64, i64, i64, i64]
@@ -297,6 +302,7 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         packed_numel=lib.spyre_linear_f32_packed_numel,
         pack=lib.spyre_linear_f32_pack,
         linear=lib.spyre_linear_f32,
+        linear_avx512=lib.spyre_linear_f32_avx512,
         linear_add=lib.spyre_linear_add_f32,
         paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
         paged_attention=lib.spyre_paged_attention_f32,

@@ -8,6 +8,7 @@ is bounded by K float32 roundings of the products' magnitudes: |err| <= K * 2^-2
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +139,64 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
     torch.manual_seed(1)
     linear = torch.nn.Linear(576, 960, bias=False)
     native = NativeLinear(linear, load_native_kernels(default_kernel_dir()))
-    x = torch.randn(15, 576)  # 5-15 rows go over k in chunks, 1-4 in one pass
+    x = torch.randn(70, 576)  # 5-15 rows go over k in chunks, 1-4 in one pass, 16 on packed
     with torch.inference_mode():
         batch = native(x)
-        for i in (0, 4, 8, 12, 14):
+        for i in (0, 4, 8, 12, 14, 40, 69):
             assert torch.equal(native(x[i : i + 1])[0], batch[i])
             assert torch.equal(native(x[i : i + 3])[0], batch[i])
+            assert torch.equal(native(x[i : i + 11])[0], batch[i])
+        assert torch.equal(native(x[:15]), batch[:15])
+
+
+@pytest.fixture
+def avx2_only() -> Iterator[native_kernels.NativeKernels]:
+    """The kernels with the 512-bit prefill path off (restored after)."""
+    kernels = load_native_kernels(default_kernel_dir())
+    was_on = kernels.linear_avx512(1) == 1
+    kernels.linear_avx512(0)
+    yield kernels
+    kernels.linear_avx512(1 if was_on else 0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [
+        (16, 48, 33),  # 6 panels: 3 pairs, two 8-row blocks
+        (21, 56, 40),  # 7 panels: a lone seventh panel on AVX2; a 4-row block, 1 row left
+        (67, 100, 64),  # 13 panels, the last partial: 6 + 6 + 1
+        (30, 86, 17),  # 11 panels, the last partial: a pair, then a pair and a partial one
+        (256, 576, 96),  # a prefill chunk's shape
+    ],
+)
+def test_the_512_bit_prefill_path_gives_the_avx2_bits(
+    rows: int, out_features: int, in_features: int, avx2_only: native_kernels.NativeKernels
+) -> None:
+    """On a CPU with AVX512F (elsewhere both runs take the AVX2 path): the same outputs bit for
+    bit with the 512-bit path on and off, plain and with the residual add, nothing written past
+    the outputs."""
+    kernels = avx2_only
+    torch.manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features)
+    panels = torch.empty(kernels.packed_numel(out_features, in_features))
+    kernels.pack(weight.data_ptr(), panels.data_ptr(), out_features, in_features)
+    x = torch.randn(rows, in_features)
+    residual = torch.randn(rows, out_features)
+    outputs = []
+    for enable in (0, 1):
+        kernels.linear_avx512(enable)
+        for linear in (kernels.linear, kernels.linear_add):
+            canvas = torch.full((rows * out_features + 64,), float("nan"))
+            if linear is kernels.linear_add:
+                canvas[: rows * out_features] = residual.flatten()
+            linear(
+                x.data_ptr(), panels.data_ptr(), canvas.data_ptr(), rows, in_features, out_features
+            )
+            assert canvas[rows * out_features :].isnan().all()
+            outputs.append(canvas[: rows * out_features].view(rows, out_features))
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
+    assert torch.allclose(outputs[0], x @ weight.T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(outputs[1], outputs[0] + residual)
 
 
 def test_the_kernel_runs_on_torchs_openmp_runtime() -> None:

@@ -13,7 +13,10 @@
 // (in-process A/B, RESULTS.md pass 10); the sums run in the same order either way. A decode
 // step's 5-15 rows go over the panels in chunks of k, every row block per chunk (decode_rows).
 //
-// Threads: an OpenMP loop over blocks of 3 panels, in the OpenMP runtime torch already loaded
+// On CPUs with AVX512F, from 16 rows on, two panels share a 512-bit register (linear512): the
+// same sums in the same order, so the same bits, at twice the width.
+//
+// Threads: an OpenMP loop over blocks of 3 panels (6 on AVX512F), in the OpenMP runtime torch already loaded
 // (libgomp.so.1 by soname), so this runs on torch's own thread pool and thread count.
 #include <immintrin.h>
 #include <stdint.h>
@@ -159,11 +162,106 @@ inline const float* pack_rows(const float* x, int64_t M, int64_t K) {
     return out;
 }
 
+// On CPUs with AVX512F a prefill step's packed rows run 512 bits wide: each vector holds two
+// panels' 8 columns at one k (the low and the high half), against 8 rows (two packed 4-row
+// blocks) x NZ panel pairs of accumulators (24 of the 32 registers at NZ 3). Every output is the
+// same k-ordered FMA chain as block()'s, so the bits equal the AVX2 path's and a decode step's.
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+AVX512 inline __m512 panel_pair(const float* lo, const float* hi) {
+    const __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_load_ps(lo)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(_mm256_load_ps(hi)), 1));
+}
+
+// y[0..MB)[0..NZ*16) over full panels; xp: MB / 4 packed 4-row blocks, K * 4 floats apart.
+template <int MB, int NZ, bool kAdd>
+AVX512 inline void block512(const float* __restrict xp, int64_t K, const float* __restrict panels,
+                            float* __restrict y, int64_t ldy) {
+    __m512 acc[MB][NZ];
+    UNROLL for (int i = 0; i < MB; i++) UNROLL for (int z = 0; z < NZ; z++)
+        acc[i][z] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 w[NZ];
+        UNROLL for (int z = 0; z < NZ; z++)
+            w[z] = panel_pair(panels + (2 * z * K + k) * kPanel, panels + ((2 * z + 1) * K + k) * kPanel);
+        UNROLL for (int i = 0; i < MB; i++) {
+            const float* xi = xp + (i / kRowsPerBlock) * K * kRowsPerBlock + k * kRowsPerBlock + i % kRowsPerBlock;
+            const __m512 xv = _mm512_set1_ps(*xi);
+            UNROLL for (int z = 0; z < NZ; z++) acc[i][z] = _mm512_fmadd_ps(xv, w[z], acc[i][z]);
+        }
+    }
+    UNROLL for (int i = 0; i < MB; i++) UNROLL for (int z = 0; z < NZ; z++) {
+        float* out = y + i * ldy + 2 * z * kPanel;
+        _mm512_storeu_ps(out, kAdd ? _mm512_add_ps(acc[i][z], _mm512_loadu_ps(out)) : acc[i][z]);
+    }
+}
+
+// All M rows against NZ full panel pairs: the packed 4-row blocks two at a time, then the odd
+// block; the last M % 4 rows (not packed) on the AVX2 block.
+template <int NZ, bool kAdd>
+AVX512 inline void pair_block(const float* x, const float* xp, const float* panels, float* y,
+                              int64_t M, int64_t K, int64_t N) {
+    const int64_t packed = M / kRowsPerBlock * kRowsPerBlock;
+    int64_t m = 0;
+    for (; m + 2 * kRowsPerBlock <= packed; m += 2 * kRowsPerBlock)
+        block512<2 * kRowsPerBlock, NZ, kAdd>(xp + m * K, K, panels, y + m * N, N);
+    if (m < packed) {
+        block512<kRowsPerBlock, NZ, kAdd>(xp + m * K, K, panels, y + m * N, N);
+        m += kRowsPerBlock;
+    }
+    switch (M - m) {
+        case 3: block<3, 2 * NZ, kAdd>(x + m * K, K, K, panels, y + m * N, N, kPanel); break;
+        case 2: block<2, 2 * NZ, kAdd>(x + m * K, K, K, panels, y + m * N, N, kPanel); break;
+        case 1: block<1, 2 * NZ, kAdd>(x + m * K, K, K, panels, y + m * N, N, kPanel); break;
+        default: break;
+    }
+}
+
+constexpr int64_t kPanelsPerBlock512 = 6;  // 3 pairs
+
+// linear() for M >= kPackRows with x packed (xp), on AVX512F: blocks of 6 panels; in each, the
+// full pairs of full panels 512 bits wide, the rest (an odd panel, a partial last one) on AVX2.
+template <bool kAdd>
+AVX512 void linear512(const float* x, const float* xp, const float* panels, float* y, int64_t M,
+                      int64_t K, int64_t N) {
+    const int64_t num_panels = (N + kPanel - 1) / kPanel;
+    const int64_t num_blocks = (num_panels + kPanelsPerBlock512 - 1) / kPanelsPerBlock512;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t first = b * kPanelsPerBlock512;
+        const int64_t count = num_panels - first < kPanelsPerBlock512 ? num_panels - first : kPanelsPerBlock512;
+        const bool partial_last = first + count == num_panels && N % kPanel != 0;
+        const int64_t pairs = (count - (partial_last ? 1 : 0)) / 2;
+        const float* p = panels + first * K * kPanel;
+        float* yb = y + first * kPanel;
+        switch (pairs) {
+            case 3: pair_block<3, kAdd>(x, xp, p, yb, M, K, N); break;
+            case 2: pair_block<2, kAdd>(x, xp, p, yb, M, K, N); break;
+            case 1: pair_block<1, kAdd>(x, xp, p, yb, M, K, N); break;
+            default: break;
+        }
+        const int64_t rest = count - 2 * pairs;  // 0, 1 or 2 panels
+        if (rest == 0) continue;
+        const int64_t rest_first = first + 2 * pairs;
+        const int64_t last_cols = N - (num_panels - 1) * kPanel;
+        const int64_t rest_last_cols = rest_first + rest == num_panels ? last_cols : kPanel;
+        const float* rp = panels + rest_first * K * kPanel;
+        float* ry = y + rest_first * kPanel;
+        if (rest == 2)
+            column_block<2, kAdd>(x, xp, rp, ry, M, K, N, rest_last_cols);
+        else
+            column_block<1, kAdd>(x, xp, rp, ry, M, K, N, rest_last_cols);
+    }
+}
+
+bool use_avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+
 template <bool kAdd>
 void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K, int64_t N) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t num_blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
     const float* xp = M >= kPackRows ? pack_rows(x, M, K) : nullptr;
+    if (xp != nullptr && use_avx512) return linear512<kAdd>(x, xp, panels, y, M, K, N);
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t first = b * kPanelsPerBlock;
@@ -183,6 +281,13 @@ void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K,
 }  // namespace
 
 extern "C" {
+
+// Whether a prefill step's rows run 512 bits wide (on CPUs with AVX512F, the default there);
+// enable 0 turns it off, 1 back on where the CPU has it. The same bits either way.
+int spyre_linear_f32_avx512(int enable) {
+    use_avx512 = enable != 0 && __builtin_cpu_supports("avx512f");
+    return use_avx512 ? 1 : 0;
+}
 
 int64_t spyre_linear_f32_packed_numel(int64_t N, int64_t K) {
     return (N + kPanel - 1) / kPanel * kPanel * K;
