@@ -167,14 +167,19 @@ def avx2_only() -> Iterator[native_kernels.NativeKernels]:
         (67, 100, 64),  # 13 panels, the last partial: 6 + 6 + 1
         (30, 86, 17),  # 11 panels, the last partial: a pair, then a pair and a partial one
         (256, 576, 96),  # a prefill chunk's shape
+        (8, 48, 200),  # a decode step's rows, over 4 chunks of k
+        (13, 56, 129),  # a block of 8 and one of 5 rows; a lone panel on AVX2
+        (5, 86, 64),  # 5 rows, one chunk; a partial last panel
+        (15, 576, 70),  # 8 + 7 rows; a chunk of 6 k after one of 64
+        (4, 48, 33),  # 4 rows stay on AVX2
     ],
 )
-def test_the_512_bit_prefill_path_gives_the_avx2_bits(
+def test_the_512_bit_path_gives_the_avx2_bits(
     rows: int, out_features: int, in_features: int, avx2_only: native_kernels.NativeKernels
 ) -> None:
     """On a CPU with AVX512F (elsewhere both runs take the AVX2 path): the same outputs bit for
-    bit with the 512-bit path on and off, plain and with the residual add, nothing written past
-    the outputs."""
+    bit with the 512-bit path on and off (packed prefill rows, a decode step's rows over chunks
+    of k), plain and with the residual add, nothing written past the outputs."""
     kernels = avx2_only
     torch.manual_seed(rows + out_features)
     weight = torch.randn(out_features, in_features)

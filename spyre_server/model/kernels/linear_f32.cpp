@@ -13,7 +13,7 @@
 // (in-process A/B, RESULTS.md pass 10); the sums run in the same order either way. A decode
 // step's 5-15 rows go over the panels in chunks of k, every row block per chunk (decode_rows).
 //
-// On CPUs with AVX512F, from 16 rows on, two panels share a 512-bit register (linear512): the
+// On CPUs with AVX512F, from 5 rows on, two panels share a 512-bit register (linear512): the
 // same sums in the same order, so the same bits, at twice the width.
 //
 // Threads: an OpenMP loop over blocks of 3 panels (6 on AVX512F), in the OpenMP runtime torch already loaded
@@ -162,10 +162,11 @@ inline const float* pack_rows(const float* x, int64_t M, int64_t K) {
     return out;
 }
 
-// On CPUs with AVX512F a prefill step's packed rows run 512 bits wide: each vector holds two
-// panels' 8 columns at one k (the low and the high half), against 8 rows (two packed 4-row
-// blocks) x NZ panel pairs of accumulators (24 of the 32 registers at NZ 3). Every output is the
-// same k-ordered FMA chain as block()'s, so the bits equal the AVX2 path's and a decode step's.
+// On CPUs with AVX512F more than 4 rows run 512 bits wide: each vector holds two panels' 8
+// columns at one k (the low and the high half), against 8 rows (two packed 4-row blocks, or a
+// decode step's rows as given, per chunk of k) x NZ panel pairs of accumulators (24 of the 32
+// registers at NZ 3). Every output is the same k-ordered FMA chain as block()'s, so the bits
+// equal the AVX2 path's, and a row's bits do not depend on the batch.
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
 
 AVX512 inline __m512 panel_pair(const float* lo, const float* hi) {
@@ -173,26 +174,78 @@ AVX512 inline __m512 panel_pair(const float* lo, const float* hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(_mm256_load_ps(hi)), 1));
 }
 
-// y[0..MB)[0..NZ*16) over full panels; xp: MB / 4 packed 4-row blocks, K * 4 floats apart.
-template <int MB, int NZ, bool kAdd>
-AVX512 inline void block512(const float* __restrict xp, int64_t K, const float* __restrict panels,
-                            float* __restrict y, int64_t ldy) {
+// y[0..MB)[0..NZ*16) over full panels, block()'s contract 512 bits wide: x rows as given
+// (x + i * K + k), or with kPackedX MB / 4 packed 4-row blocks K * 4 floats apart; the sum over
+// the first kc of K, resumed from / suspended to partial sums [MB][NZ][16].
+template <int MB, int NZ, bool kAdd, bool kPackedX = false, bool kResume = false,
+          bool kSuspend = false>
+AVX512 inline void block512(const float* __restrict x, int64_t K, int64_t kc,
+                            const float* __restrict panels, float* __restrict y, int64_t ldy,
+                            float* __restrict partial = nullptr) {
     __m512 acc[MB][NZ];
     UNROLL for (int i = 0; i < MB; i++) UNROLL for (int z = 0; z < NZ; z++)
-        acc[i][z] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
+        acc[i][z] = kResume ? _mm512_load_ps(partial + (i * NZ + z) * 2 * kPanel) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
         __m512 w[NZ];
         UNROLL for (int z = 0; z < NZ; z++)
             w[z] = panel_pair(panels + (2 * z * K + k) * kPanel, panels + ((2 * z + 1) * K + k) * kPanel);
         UNROLL for (int i = 0; i < MB; i++) {
-            const float* xi = xp + (i / kRowsPerBlock) * K * kRowsPerBlock + k * kRowsPerBlock + i % kRowsPerBlock;
+            const float* xi = kPackedX ? x + (i / kRowsPerBlock) * K * kRowsPerBlock + k * kRowsPerBlock + i % kRowsPerBlock
+                                       : x + i * K + k;
             const __m512 xv = _mm512_set1_ps(*xi);
             UNROLL for (int z = 0; z < NZ; z++) acc[i][z] = _mm512_fmadd_ps(xv, w[z], acc[i][z]);
         }
     }
     UNROLL for (int i = 0; i < MB; i++) UNROLL for (int z = 0; z < NZ; z++) {
+        if (kSuspend) {
+            _mm512_store_ps(partial + (i * NZ + z) * 2 * kPanel, acc[i][z]);
+            continue;
+        }
         float* out = y + i * ldy + 2 * z * kPanel;
         _mm512_storeu_ps(out, kAdd ? _mm512_add_ps(acc[i][z], _mm512_loadu_ps(out)) : acc[i][z]);
+    }
+}
+
+// MB rows' chunk [k0, k0 + kc) of the sums (rows as given), as chunk() for block512.
+template <int MB, int NZ, bool kAdd>
+AVX512 inline void chunk512(const float* x, int64_t K, const float* panels, float* y, int64_t N,
+                            int64_t k0, int64_t kc, float* partial) {
+    const bool resume = k0 > 0, suspend = k0 + kc < K;
+    x += k0;
+    panels += k0 * kPanel;
+    if (!resume && suspend)
+        block512<MB, NZ, kAdd, false, false, true>(x, K, kc, panels, y, N, partial);
+    else if (resume && suspend)
+        block512<MB, NZ, kAdd, false, true, true>(x, K, kc, panels, y, N, partial);
+    else if (resume)
+        block512<MB, NZ, kAdd, false, true, false>(x, K, kc, panels, y, N, partial);
+    else
+        block512<MB, NZ, kAdd>(x, K, kc, panels, y, N);
+}
+
+// decode_rows() 512 bits wide: a decode step's 5-15 rows in blocks of 8 (and the rest), every
+// block per chunk of k.
+template <int NZ, bool kAdd>
+AVX512 inline void decode_rows512(const float* x, const float* panels, float* y, int64_t M,
+                                  int64_t K, int64_t N) {
+    alignas(64) float partial[2][8 * NZ * 2 * kPanel];
+    for (int64_t k0 = 0; k0 < K; k0 += kDecodeChunk) {
+        const int64_t kc = K - k0 < kDecodeChunk ? K - k0 : kDecodeChunk;
+        for (int64_t m = 0; m < M; m += 8) {
+            const float* xm = x + m * K;
+            float* ym = y + m * N;
+            float* pm = partial[m / 8];
+            switch (M - m < 8 ? M - m : 8) {
+                case 8: chunk512<8, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+                case 7: chunk512<7, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+                case 6: chunk512<6, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+                case 5: chunk512<5, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+                case 4: chunk512<4, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+                case 3: chunk512<3, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+                case 2: chunk512<2, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+                default: chunk512<1, NZ, kAdd>(xm, K, panels, ym, N, k0, kc, pm); break;
+            }
+        }
     }
 }
 
@@ -201,12 +254,13 @@ AVX512 inline void block512(const float* __restrict xp, int64_t K, const float* 
 template <int NZ, bool kAdd>
 AVX512 inline void pair_block(const float* x, const float* xp, const float* panels, float* y,
                               int64_t M, int64_t K, int64_t N) {
+    if (xp == nullptr) return decode_rows512<NZ, kAdd>(x, panels, y, M, K, N);
     const int64_t packed = M / kRowsPerBlock * kRowsPerBlock;
     int64_t m = 0;
     for (; m + 2 * kRowsPerBlock <= packed; m += 2 * kRowsPerBlock)
-        block512<2 * kRowsPerBlock, NZ, kAdd>(xp + m * K, K, panels, y + m * N, N);
+        block512<2 * kRowsPerBlock, NZ, kAdd, true>(xp + m * K, K, K, panels, y + m * N, N);
     if (m < packed) {
-        block512<kRowsPerBlock, NZ, kAdd>(xp + m * K, K, panels, y + m * N, N);
+        block512<kRowsPerBlock, NZ, kAdd, true>(xp + m * K, K, K, panels, y + m * N, N);
         m += kRowsPerBlock;
     }
     switch (M - m) {
@@ -219,8 +273,9 @@ AVX512 inline void pair_block(const float* x, const float* xp, const float* pane
 
 constexpr int64_t kPanelsPerBlock512 = 6;  // 3 pairs
 
-// linear() for M >= kPackRows with x packed (xp), on AVX512F: blocks of 6 panels; in each, the
-// full pairs of full panels 512 bits wide, the rest (an odd panel, a partial last one) on AVX2.
+// linear() on AVX512F for more than 4 rows (xp: the packed rows from kPackRows on, else
+// nullptr: a decode step's rows): blocks of 6 panels; in each, the full pairs of full panels
+// 512 bits wide, the rest (an odd panel, a partial last one) on AVX2.
 template <bool kAdd>
 AVX512 void linear512(const float* x, const float* xp, const float* panels, float* y, int64_t M,
                       int64_t K, int64_t N) {
@@ -261,7 +316,7 @@ void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K,
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t num_blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
     const float* xp = M >= kPackRows ? pack_rows(x, M, K) : nullptr;
-    if (xp != nullptr && use_avx512) return linear512<kAdd>(x, xp, panels, y, M, K, N);
+    if (M > kRowsPerBlock && use_avx512) return linear512<kAdd>(x, xp, panels, y, M, K, N);
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t first = b * kPanelsPerBlock;
@@ -282,7 +337,7 @@ void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K,
 
 extern "C" {
 
-// Whether a prefill step's rows run 512 bits wide (on CPUs with AVX512F, the default there);
+// Whether more than 4 rows run 512 bits wide (on CPUs with AVX512F, the default there);
 // enable 0 turns it off, 1 back on where the CPU has it. The same bits either way.
 int spyre_linear_f32_avx512(int enable) {
     use_avx512 = enable != 0 && __builtin_cpu_supports("avx512f");
