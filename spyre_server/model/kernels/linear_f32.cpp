@@ -316,6 +316,13 @@ void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K,
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t num_blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
     const float* xp = M >= kPackRows ? pack_rows(x, M, K) : nullptr;
+    if (M >= kPackRows && xp == nullptr) {
+        // No memory for the packed rows: slices of a decode step's size (whose partial sums
+        // have room for kPackRows - 1 rows), the same bits.
+        for (int64_t m = 0; m < M; m += kPackRows - 1)
+            linear<kAdd>(x + m * K, panels, y + m * N, M - m < kPackRows - 1 ? M - m : kPackRows - 1, K, N);
+        return;
+    }
     if (M > kRowsPerBlock && use_avx512) return linear512<kAdd>(x, xp, panels, y, M, K, N);
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < num_blocks; b++) {
