@@ -55,8 +55,7 @@ from spyre_server.model.native_kernels import (
     DOT_BF16_NOT_COMPILED,
     NativeKernelError,
     NativeKernels,
-    amx_unsupported_reason,
-    avx512_bf16_unsupported_reason,
+    bf16_dot_unsupported_reason,
     default_kernel_dir,
     load_native_kernels,
     unsupported_cpu_reason,
@@ -90,13 +89,6 @@ AttentionKernel = Literal["auto", "native", "amx", "avx512_bf16", "mixed", "flas
 ResolvedAttentionKernel = Literal["native", "amx", "avx512_bf16", "mixed", "flash"]
 
 
-def _dot_unsupported_reason(kernel: Literal["amx", "avx512_bf16"]) -> str | None:
-    """Why that bfloat16 dot-product kernel cannot run here, or None."""
-    if kernel == "amx":
-        return amx_unsupported_reason()
-    return avx512_bf16_unsupported_reason()
-
-
 def resolve_attention_kernel(
     requested: AttentionKernel, dtype: torch.dtype, head_dim: int
 ) -> ResolvedAttentionKernel:
@@ -115,9 +107,9 @@ def resolve_attention_kernel(
         # and the decode steps, on AMX or else AVX512-BF16; without either, SDPA's flash
         # kernel is faster at prefill chunks and ours (float32) at decode steps. RESULTS.md
         # measures them all.
-        if amx_unsupported_reason() is None:
+        if bf16_dot_unsupported_reason("amx") is None:
             return "amx"
-        return "avx512_bf16" if avx512_bf16_unsupported_reason() is None else "mixed"
+        return "avx512_bf16" if bf16_dot_unsupported_reason("avx512_bf16") is None else "mixed"
     if requested in ("native", "mixed") and not supported:
         raise LinearKernelError(
             f"model.attention_kernel '{requested}' computes float32 or bfloat16 with head_dim "
@@ -131,7 +123,7 @@ def resolve_attention_kernel(
                 f"128, and the model runs {dtype} with head_dim {head_dim}; set "
                 "model.attention_kernel: auto"
             )
-        if (reason := _dot_unsupported_reason(requested)) is not None:
+        if (reason := bf16_dot_unsupported_reason(requested)) is not None:
             raise LinearKernelError(
                 f"model.attention_kernel '{requested}' cannot run here: {reason}; set "
                 "model.attention_kernel: auto"

@@ -17,21 +17,18 @@ does in bfloat16.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from spyre_server.model.native_kernels import (
     DOT_BF16_NOT_COMPILED,
+    Bf16Dot,
     NativeKernels,
-    amx_unsupported_reason,
-    avx512_bf16_unsupported_reason,
+    bf16_dot_unsupported_reason,
 )
 from spyre_server.model.paged_attention import AttentionPlan, RowGroup, flash_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-Bf16Dot = Literal["amx", "avx512_bf16"]
 
 
 def check_caches(
@@ -65,14 +62,18 @@ class NativePagedAttention:
         bfloat16 natively and this kernel in float32: RESULTS.md measures both). ``bf16_dot``:
         the bfloat16 dot-product kernel (bfloat16 only) on that unit, None: float32 compute;
         raises ValueError where it cannot run here."""
+        self._dot_kernel = None
         if bf16_dot is not None:
-            reason = (
-                amx_unsupported_reason() if bf16_dot == "amx" else avx512_bf16_unsupported_reason()
-            )
+            reason = bf16_dot_unsupported_reason(bf16_dot)
             if reason is None and not kernels.dot_bf16_compiled:
                 reason = DOT_BF16_NOT_COMPILED
             if reason is not None:
                 raise ValueError(f"the {bf16_dot} attention kernel cannot run here: {reason}")
+            self._dot_kernel = (
+                kernels.paged_attention_amx
+                if bf16_dot == "amx"
+                else kernels.paged_attention_avx512_bf16
+            )
         self._kernels = kernels
         self.prefill = prefill
         self.bf16_dot = bf16_dot
@@ -145,12 +146,8 @@ class NativePagedAttention:
         threads = max(1, torch.get_num_threads())
         rows = batch * num_queries * (nheads // kvheads)
         lib = self._kernels
-        if self.bf16_dot is not None:
-            kernel = {
-                "amx": lib.paged_attention_amx,
-                "avx512_bf16": lib.paged_attention_avx512_bf16,
-            }[self.bf16_dot]
-            scratch_numel = lib.paged_attention_dot_bf16_scratch_numel
+        if self._dot_kernel is not None:
+            kernel, scratch_numel = self._dot_kernel, lib.paged_attention_dot_bf16_scratch_numel
         elif query.dtype == torch.float32:
             kernel, scratch_numel = lib.paged_attention, lib.paged_attention_scratch_numel
         else:

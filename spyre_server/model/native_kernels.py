@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 SOURCES = (
@@ -138,6 +139,15 @@ def avx512_bf16_unsupported_reason() -> str | None:
         return reason
     missing = [f for f in AVX512_BF16_CPU_FLAGS if f not in cpu_flags()]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+Bf16Dot = Literal["amx", "avx512_bf16"]
+"""The units ``kernels/attention_dot_bf16.cpp`` runs its bfloat16 dot products on."""
+
+
+def bf16_dot_unsupported_reason(unit: Bf16Dot) -> str | None:
+    """Why the dot-product attention kernel on ``unit`` cannot run here, or None."""
+    return amx_unsupported_reason() if unit == "amx" else avx512_bf16_unsupported_reason()
 
 
 def build(directory: Path) -> Path:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from fms.models import get_model
 
-from spyre_server.model import cpu_model, native_attention, native_kernels, paged_attention
+from spyre_server.model import cpu_model, native_kernels, paged_attention
 from spyre_server.model.cpu_model import cpu_attention_kernel, resolve_attention_kernel
 from spyre_server.model.native_attention import NativePagedAttention
 from spyre_server.model.native_kernels import (
@@ -338,17 +338,17 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
             resolve_attention_kernel(dot, torch.float32, 64)  # type: ignore[arg-type]
     # bfloat16: amx where the CPU has it, else avx512_bf16, else mixed; each refuses with the
     # reason where it cannot run.
-    monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: None)
-    monkeypatch.setattr(cpu_model, "avx512_bf16_unsupported_reason", lambda: None)
+    monkeypatch.setattr(native_kernels, "amx_unsupported_reason", lambda: None)
+    monkeypatch.setattr(native_kernels, "avx512_bf16_unsupported_reason", lambda: None)
     assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "amx"
     assert resolve_attention_kernel("amx", torch.bfloat16, 128) == "amx"
     assert resolve_attention_kernel("avx512_bf16", torch.bfloat16, 128) == "avx512_bf16"
-    monkeypatch.setattr(cpu_model, "amx_unsupported_reason", lambda: "this CPU lacks amx_bf16")
+    monkeypatch.setattr(native_kernels, "amx_unsupported_reason", lambda: "this CPU lacks amx_bf16")
     assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "avx512_bf16"
     with pytest.raises(LinearKernelError, match=r"'amx' cannot run here: this CPU lacks amx_bf16"):
         resolve_attention_kernel("amx", torch.bfloat16, 64)
     monkeypatch.setattr(
-        cpu_model, "avx512_bf16_unsupported_reason", lambda: "this CPU lacks avx512_bf16"
+        native_kernels, "avx512_bf16_unsupported_reason", lambda: "this CPU lacks avx512_bf16"
     )
     assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "mixed"
     with pytest.raises(LinearKernelError, match=r"'avx512_bf16' cannot run here: .*avx512_bf16"):
@@ -390,12 +390,12 @@ def test_the_runner_gets_our_kernel_or_none() -> None:
 def test_the_dot_wrappers_refuse_what_they_cannot_run(
     bf16_dot: Any, check: str, missing: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(native_attention, check, lambda: f"this CPU lacks {missing}")
+    monkeypatch.setattr(native_kernels, check, lambda: f"this CPU lacks {missing}")
     with pytest.raises(
         ValueError, match=rf"{bf16_dot} attention kernel cannot run here: .*{missing}"
     ):
         NativePagedAttention(kernels(), bf16_dot=bf16_dot)
-    monkeypatch.setattr(native_attention, check, lambda: None)
+    monkeypatch.setattr(native_kernels, check, lambda: None)
     cache = torch.randn(6, BS, 2, 64)
     with pytest.raises(
         ValueError, match=rf"{bf16_dot} attention kernel takes bfloat16, not torch\.float32"
@@ -437,11 +437,9 @@ def test_auto_falls_back_to_mixed_where_the_kernels_lack_the_dot_kernels(
     (and logs why), an explicit request stops the start with the reason, the wrapper refuses."""
     stubbed = dataclasses.replace(kernels(), dot_bf16_compiled=False)
     monkeypatch.setattr(
-        cpu_model, "amx_unsupported_reason", lambda: None if bf16_dot == "amx" else "no AMX"
+        native_kernels, "amx_unsupported_reason", lambda: None if bf16_dot == "amx" else "no AMX"
     )
-    monkeypatch.setattr(cpu_model, "avx512_bf16_unsupported_reason", lambda: None)
-    monkeypatch.setattr(native_attention, "amx_unsupported_reason", lambda: None)
-    monkeypatch.setattr(native_attention, "avx512_bf16_unsupported_reason", lambda: None)
+    monkeypatch.setattr(native_kernels, "avx512_bf16_unsupported_reason", lambda: None)
     monkeypatch.setattr(cpu_model, "_native_kernels", lambda kernel_dir: stubbed)
     auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
     assert isinstance(auto, NativePagedAttention) and not auto.prefill
