@@ -1,19 +1,22 @@
-"""The paged-attention kernels side by side in bfloat16, at issue 12's shapes, in one run.
+"""The paged-attention kernels side by side in bfloat16 (or float32), at issue 12's shapes, in one
+run.
 
-Run: ``.venv/bin/python bench/bench_attention.py [--threads 2]`` (about a minute; nothing else may
-run meanwhile). SmolLM2-135M's attention (9 query / 3 KV heads of 64) over a bfloat16 paged cache
+Run: ``.venv/bin/python bench/bench_attention.py [--threads 2] [--dtype float32]`` (about a minute;
+nothing else may run meanwhile). SmolLM2-135M's attention (9 query / 3 KV heads of 64) over a paged
+cache
 of 64-token blocks, every layer's cache a distinct tensor (each timing runs the 30 layers, so the
 K/V come from memory as in a real step), the shared prefix in scattered blocks as a server's
 recycled blocks are. Per workload and kernel: ms per layer, GFLOP/s (the two products; the
 causal part counted in full), and each kernel's time over the first kernel's. Kernels (the values
 of ``model.attention_kernel``): ``amx`` (where the CPU has AMX), ``avx512_bf16`` (where it has
 AVX512-BF16), ``native`` (float32 compute) and ``flash`` (SDPA's flash kernel on gathered copies);
-``mixed`` is native's decode and flash's prefill rows.
+``mixed`` is native's decode and flash's prefill rows. In float32 (``--dtype float32``) only
+``native`` and ``flash`` run.
 
 Workloads: a decode step of 8 rows over a 1,536-token shared prefix (+ 2 own blocks each), a
 warm prefill of 64 new tokens after it, and 256-token chunks of a cold prefill at 1,024 and
-1,792 tokens of context. Limits printed first: a streaming read, and a bfloat16 2048^3 matrix
-product (oneDNN, on AMX where the CPU has it).
+1,792 tokens of context. Limits printed first: a streaming read, and a 2048^3 matrix product in
+the dtype (oneDNN, on AMX where the CPU has it).
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ from spyre_server.model.paged_attention import AttentionPlan, attend, plan_atten
 NUM_BLOCKS = 200
 
 
-def limits() -> tuple[float, float]:
-    """(GB/s streaming read, GFLOP/s of a bfloat16 2048^3 matrix product)."""
+def limits(dtype: torch.dtype) -> tuple[float, float]:
+    """(GB/s streaming read, GFLOP/s of a 2048^3 matrix product in ``dtype``)."""
     big = torch.randn(100_000_000)
     read = big.numel() * 4 / seconds(big.sum) / 1e9
-    a = torch.randn(2048, 2048).bfloat16()
+    a = torch.randn(2048, 2048).to(dtype)
     return read, 2 * 2048**3 / seconds(lambda: a @ a) / 1e9
 
 
@@ -88,12 +91,15 @@ def per_layer(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    read, gemm = limits()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bfloat16")
+    dtype = getattr(torch, args.dtype)
+    read, gemm = limits(dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
     print(
-        f"limits: streaming read {read:.1f} GB/s, bfloat16 2048^3 matrix product {gemm:.0f} GFLOP/s"
+        f"limits: streaming read {read:.1f} GB/s, {args.dtype} 2048^3 matrix product "
+        f"{gemm:.0f} GFLOP/s"
     )
     lib = load_native_kernels(default_kernel_dir())
     kernels: dict[str, NativePagedAttention | None] = {}
@@ -101,6 +107,8 @@ def main() -> None:
         ("amx", amx_unsupported_reason),
         ("avx512_bf16", avx512_bf16_unsupported_reason),
     ):
+        if dtype == torch.float32:
+            break  # the dot-product kernels compute bfloat16 only
         if (reason := unsupported()) is None:
             kernels[dot] = NativePagedAttention(lib, bf16_dot=dot)
         else:
@@ -109,14 +117,14 @@ def main() -> None:
     kernels["flash"] = None
     first = next(iter(kernels))
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-    keys = [torch.randn(shape).bfloat16() for _ in range(LAYERS)]
-    values = [torch.randn(shape).bfloat16() for _ in range(LAYERS)]
+    keys = [torch.randn(shape).to(dtype) for _ in range(LAYERS)]
+    values = [torch.randn(shape).to(dtype) for _ in range(LAYERS)]
     print(f"\n{'workload':42} {'kernel':11} {'ms/layer':>8} {'GFLOP/s':>8} {'/ ' + first:>13}")
     with torch.inference_mode():
         for name, tables, positions in workloads():
             plan = plan_attention(tables, positions, BLOCK)
             query = torch.randn(len(tables), len(positions[0]), KV_HEADS * GROUP, HEAD_DIM)
-            query = query.bfloat16()
+            query = query.to(dtype)
             flops = sum(len(p) * (p[-1] + 1) for p in positions) * GROUP * KV_HEADS * 4 * HEAD_DIM
             times = {
                 kernel_name: per_layer(query, keys, values, plan, kernel)

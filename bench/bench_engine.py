@@ -2,8 +2,8 @@
 plain fms forward, and time to first token with a cold vs a warm prefix cache.
 
 Run: ``.venv/bin/python bench/bench_engine.py`` (10-30 minutes on 2 cores).
-Options: ``--threads N`` torch threads (default 2); ``--linear-kernel onednn|aten`` (default
-onednn, as the server); ``--sections prefill,decode,ttft`` (all by
+Options: ``--threads N`` torch threads (default 2); ``--linear-kernel native|onednn|aten``
+(default auto, as the server); ``--no-native-avx512``; ``--sections prefill,decode,ttft`` (all by
 default); ``--reps N`` timed rounds per point (median reported, after one warm-up run);
 ``--bf16`` run bfloat16 too even where the CPU would emulate it; ``--profile`` add a torch profile
 of one decode step at batch 32.
@@ -310,6 +310,12 @@ def main() -> None:
         "(cpu_model.py)",
     )
     parser.add_argument(
+        "--no-native-avx512",
+        dest="native_avx512",
+        action="store_false",
+        help="model.native_avx512: false (the native kernels' AVX2 code on AVX512F CPUs)",
+    )
+    parser.add_argument(
         "--attention-kernel",
         choices=("auto", "native", "amx", "avx512_bf16", "mixed", "flash"),
         default="auto",
@@ -358,9 +364,17 @@ def main() -> None:
         dtypes = [(dtype, label) for dtype, label in dtypes if dtype == torch.bfloat16]
     for dtype, label in dtypes:
         loaded = load_model(path, dtype)
-        model = cpu_inference_copy(loaded.model, linear_kernel=args.linear_kernel, dtype=dtype)
+        model = cpu_inference_copy(
+            loaded.model,
+            linear_kernel=args.linear_kernel,
+            dtype=dtype,
+            native_avx512=args.native_avx512,
+        )
         attention = cpu_attention_kernel(
-            args.attention_kernel, dtype=dtype, head_dim=kv_cache_shape(model).head_dim
+            args.attention_kernel,
+            dtype=dtype,
+            head_dim=kv_cache_shape(model).head_dim,
+            native_avx512=args.native_avx512,
         )
         decoder = None if args.fms_forward else cpu_decoder(model, attention)
         bench = Bench(model, dtype, loaded.vocab_size, attention, decoder)

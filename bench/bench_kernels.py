@@ -113,7 +113,7 @@ def compare_linear_kernels(rows_list: tuple[int, ...]) -> None:
     print("\n== the projections of a step (30 layers + LM head) per linear kernel, ms/step ==")
     lib = load_native_kernels(default_kernel_dir())
     names = list(LINEAR_KERNELS)
-    avx512 = lib.linear_avx512(1) == 1  # native's 512-bit path from 16 rows (AVX512F CPUs)
+    avx512 = lib.avx512(1) == 1  # native's 512-bit path from 5 rows (AVX512F CPUs)
     if avx512:
         names.append("avx2")  # native with that path off
     print(f"{'rows':>5} " + " ".join(f"{n:>8}" for n in names) + "   native/onednn native/avx2")
@@ -123,9 +123,9 @@ def compare_linear_kernels(rows_list: tuple[int, ...]) -> None:
             for n, f in LINEAR_KERNELS.items()
         }
         if avx512:
-            lib.linear_avx512(0)
+            lib.avx512(0)
             per_kernel["avx2"] = sum(c * t for _, t, _, _, c in linears(rows, native_linear))
-            lib.linear_avx512(1)
+            lib.avx512(1)
         cells = " ".join(f"{per_kernel[n] * 1e3:8.1f}" for n in names)
         ratio = f"{per_kernel['native'] / per_kernel['avx2']:.2f}x" if avx512 else ""
         print(

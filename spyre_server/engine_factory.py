@@ -86,12 +86,14 @@ def _create_runner(config: Config, loaded: LoadedModel, sched: SchedulerConfig) 
             linear_kernel=config.model.linear_kernel,
             dtype=loaded.dtype,
             kernel_dir=config.model.kernel_dir,
+            native_avx512=config.model.native_avx512,
         )
         attention = cpu_attention_kernel(
             config.model.attention_kernel,
             dtype=loaded.dtype,
             head_dim=kv_cache_shape(model).head_dim,
             kernel_dir=config.model.kernel_dir,
+            native_avx512=config.model.native_avx512,
         )
         return CpuModelRunner(
             model,

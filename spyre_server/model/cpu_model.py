@@ -30,6 +30,7 @@ to free the unpacked linear weights.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 from pathlib import Path
@@ -137,14 +138,16 @@ def cpu_attention_kernel(
     dtype: torch.dtype,
     head_dim: int,
     kernel_dir: Path | None = None,
+    native_avx512: bool = True,
 ) -> NativePagedAttention | None:
     """The cpu runner's kernel for the paged-attention op: ours, or None for SDPA's flash
-    kernel; raises LinearKernelError where ours cannot run here."""
+    kernel; raises LinearKernelError where ours cannot run here. ``native_avx512``: as
+    ``cpu_inference_copy``'s."""
     resolved = resolve_attention_kernel(attention_kernel, dtype, head_dim)
     if resolved == "flash":
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
-    kernels = _native_kernels(kernel_dir)
+    kernels = _native_kernels(kernel_dir, native_avx512)
     if (resolved == "amx" or resolved == "avx512_bf16") and not kernels.dot_bf16_compiled:
         if attention_kernel == resolved:
             raise LinearKernelError(
@@ -198,13 +201,27 @@ def cpu_decoder(
     return None
 
 
-def _native_kernels(kernel_dir: Path | None) -> NativeKernels:
-    """The kernels built in (or loaded from) ``kernel_dir`` (None: the default), or a
+def _native_kernels(kernel_dir: Path | None, avx512: bool) -> NativeKernels:
+    """The kernels built in (or loaded from) ``kernel_dir`` (None: the default), their float32
+    code 512 bits wide where ``avx512`` and the CPU has AVX512F (``model.native_avx512``); or a
     LinearKernelError, the start-up error of a kernel that cannot run here."""
     try:
-        return load_native_kernels(kernel_dir or default_kernel_dir())
+        kernels = load_native_kernels(kernel_dir or default_kernel_dir())
     except NativeKernelError as exc:
         raise LinearKernelError(str(exc)) from exc
+    _log_width(kernels.avx512(int(avx512)) == 1, avx512)
+    return kernels
+
+
+@functools.cache
+def _log_width(wide: bool, avx512: bool) -> None:
+    """Logs the native kernels' width once per process and setting."""
+    logger.info(
+        "cpu kernels: native float32 code %d bits wide (model.native_avx512: %s%s)",
+        512 if wide else 256,
+        str(avx512).lower(),
+        ", the CPU lacks avx512f" if avx512 and not wide else "",
+    )
 
 
 def cpu_inference_copy(
@@ -213,10 +230,13 @@ def cpu_inference_copy(
     linear_kernel: LinearKernel,
     dtype: torch.dtype,
     kernel_dir: Path | None = None,
+    native_avx512: bool = True,
 ) -> torch.nn.Module:
     """``linear_kernel`` as ``model.linear_kernel`` validated it; raises LinearKernelError where
     the kernel it stands for cannot run here. ``kernel_dir``: where the native kernels are built
-    (``model.kernel_dir``; None: ``default_kernel_dir()``)."""
+    (``model.kernel_dir``; None: ``default_kernel_dir()``). ``native_avx512``
+    (``model.native_avx512``): whether the native kernels' float32 code runs 512 bits wide on
+    CPUs with AVX512F; a setting of the process's kernel library: the last call sets it."""
     kernel = resolve_linear_kernel(linear_kernel, dtype)
     if kernel == "onednn":
         check_onednn(dtype)
@@ -225,7 +245,7 @@ def cpu_inference_copy(
     num_rope = use_fast_rope(clone)
     num_norms = use_fast_rms_norm(clone)
     if kernel == "native":
-        kernels = _native_kernels(kernel_dir)
+        kernels = _native_kernels(kernel_dir, native_avx512)
         num_replaced = use_native_linears(clone, kernels)
         use_native_elementwise(clone, kernels)
     elif kernel == "onednn":
@@ -234,7 +254,7 @@ def cpu_inference_copy(
         num_replaced = 0
     if kernel != "native" and dtype == torch.bfloat16 and unsupported_cpu_reason() is None:
         # No native linear computes bfloat16, but the element-wise kernels do.
-        use_native_elementwise(clone, _native_kernels(kernel_dir))
+        use_native_elementwise(clone, _native_kernels(kernel_dir, native_avx512))
         logger.info("cpu kernels: bfloat16 RMS norms, GLU activations and RoPE native")
     logger.info(
         "cpu kernels: linear_kernel %s (%s): %d linear layers packed; %d rotary embeddings and "

@@ -39,7 +39,7 @@ SOURCES = (
     KERNELS / "elementwise_bf16.cpp",
     KERNELS / "attention_dot_bf16.cpp",
 )
-HEADERS = (KERNELS / "avx2_math.h", KERNELS / "bf16_avx2.h")
+HEADERS = (KERNELS / "avx2_math.h", KERNELS / "bf16_avx2.h", KERNELS / "native_avx512.h")
 """Included by the sources: hashed into the library's name with them."""
 FLAGS = (
     "-std=c++17",
@@ -199,9 +199,12 @@ class NativeKernels:
     panels."""
     linear: Callable[[int, int, int, int, int, int], None]
     """(x, panels, out, M, K, N): out [M, N] = x [M, K] @ weight.T, both contiguous."""
-    linear_avx512: Callable[[int], int]
-    """(enable) -> 1 where from 16 rows on ``linear`` runs 512 bits wide (CPUs with AVX512F: on
-    by default), else 0; 0 turns it off. The same bits either way."""
+    avx512: Callable[[int], int]
+    """(enable) -> 1 where the float32-compute kernels run 512 bits wide (``linear`` from 5
+    rows on, ``paged_attention``'s products and softmax; CPUs with AVX512F: on by default),
+    else 0; 0 turns it off. The same bits either way. One setting for the process."""
+    avx512_on: Callable[[], int]
+    """() -> 1 while they run 512 bits wide, else 0."""
     linear_add: Callable[[int, int, int, int, int, int], None]
     """(x, panels, out, M, K, N): out [M, N] += x [M, K] @ weight.T (a residual in place, the
     same bits as ``linear`` then an add)."""
@@ -269,8 +272,10 @@ def load_native_kernels(directory: Path) -> NativeKernels:
     lib.spyre_linear_f32_pack.restype = None
     lib.spyre_linear_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_linear_f32.restype = None
-    lib.spyre_linear_f32_avx512.argtypes = [ctypes.c_int]
-    lib.spyre_linear_f32_avx512.restype = ctypes.c_int
+    lib.spyre_native_avx512.argtypes = [ctypes.c_int]
+    lib.spyre_native_avx512.restype = ctypes.c_int
+    lib.spyre_native_avx512_on.argtypes = []
+    lib.spyre_native_avx512_on.restype = ctypes.c_int
     lib.spyre_linear_add_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     lib.spyre_linear_add_f32.restype = None
     lib.spyre_paged_attention_f32_scratch_numel.argtypes = [i64, i64, i64, i64]
@@ -312,7 +317,8 @@ def load_native_kernels(directory: Path) -> NativeKernels:
         packed_numel=lib.spyre_linear_f32_packed_numel,
         pack=lib.spyre_linear_f32_pack,
         linear=lib.spyre_linear_f32,
-        linear_avx512=lib.spyre_linear_f32_avx512,
+        avx512=lib.spyre_native_avx512,
+        avx512_on=lib.spyre_native_avx512_on,
         linear_add=lib.spyre_linear_add_f32,
         paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
         paged_attention=lib.spyre_paged_attention_f32,

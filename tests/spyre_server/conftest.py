@@ -94,3 +94,17 @@ def assert_pool_clean(engine: Any) -> None:
     assert not scheduler.has_unfinished_requests
     assert scheduler.pool.num_free_blocks == scheduler.pool.num_usable_blocks
     scheduler.check_integrity()
+
+
+@pytest.fixture
+def avx512_kernels() -> Iterator[Any]:
+    """The native kernels, whose float32 code the test may switch between AVX2 and 512 bits
+    (``kernels.avx512(0 | 1)``; back to 512 after); skips on CPUs without AVX512F, where there
+    is no second code path to compare."""
+    from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
+
+    kernels = load_native_kernels(default_kernel_dir())
+    if kernels.avx512(1) != 1:
+        pytest.skip("this CPU lacks avx512f: the kernels have only their AVX2 code here")
+    yield kernels
+    kernels.avx512(1)

@@ -171,6 +171,36 @@ def test_kernel_matches_float64_attention(
         assert float(error.max()) < TOL, threads
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("kvheads", "group"), [(3, 3), (2, 1)])
+@pytest.mark.parametrize("case", CASES)
+def test_the_512_bit_code_gives_the_avx2_bits(
+    dtype: torch.dtype,
+    head_dim: int,
+    kvheads: int,
+    group: int,
+    case: Case,
+    avx512_kernels: native_kernels.NativeKernels,
+) -> None:
+    """On a CPU with AVX512F: the same outputs bit for bit with the 512-bit products and softmax
+    on and off (float32 and bfloat16 caches; partial tiles, causal tails, 1 and 2 key ranges),
+    so the float64 test above holds for the AVX2 code wherever it holds here."""
+    query, key_cache, value_cache, tables, positions = attention_case(
+        dtype, head_dim, kvheads, group, case
+    )
+    plan = plan_attention(tables, positions, case[0])
+    outputs = []
+    for enable in (0, 1):
+        assert avx512_kernels.avx512(enable) == enable
+        outputs.append(
+            [run_kernel(query, key_cache, value_cache, plan.groups[0], t) for t in (1, 2)]
+        )
+    for avx2, wide in zip(*outputs, strict=True):
+        assert not avx2.isnan().any()
+        assert torch.equal(avx2, wide)
+
+
 @pytest.mark.parametrize("bf16_dot", DOTS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("kvheads", "group"), [(1, 1), (3, 3), (2, 1)])
@@ -440,7 +470,7 @@ def test_auto_falls_back_to_mixed_where_the_kernels_lack_the_dot_kernels(
         native_kernels, "amx_unsupported_reason", lambda: None if bf16_dot == "amx" else "no AMX"
     )
     monkeypatch.setattr(native_kernels, "avx512_bf16_unsupported_reason", lambda: None)
-    monkeypatch.setattr(cpu_model, "_native_kernels", lambda kernel_dir: stubbed)
+    monkeypatch.setattr(cpu_model, "_native_kernels", lambda kernel_dir, avx512: stubbed)
     auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
     assert isinstance(auto, NativePagedAttention) and not auto.prefill
     assert auto.bf16_dot is None

@@ -154,11 +154,11 @@ def avx2_only() -> Iterator[native_kernels.NativeKernels]:
     """The kernels with the 512-bit path off (restored after); skips on CPUs without AVX512F,
     where there is no second path to compare."""
     kernels = load_native_kernels(default_kernel_dir())
-    if kernels.linear_avx512(1) != 1:
+    if kernels.avx512(1) != 1:
         pytest.skip("this CPU lacks avx512f: the kernel has only its AVX2 path here")
-    kernels.linear_avx512(0)
+    kernels.avx512(0)
     yield kernels
-    kernels.linear_avx512(1)
+    kernels.avx512(1)
 
 
 @pytest.mark.parametrize(
@@ -177,11 +177,11 @@ def avx2_only() -> Iterator[native_kernels.NativeKernels]:
     ],
 )
 def test_the_512_bit_path_gives_the_avx2_bits(
-    rows: int, out_features: int, in_features: int, avx2_only: native_kernels.NativeKernels
+    rows: int, out_features: int, in_features: int, avx512_kernels: native_kernels.NativeKernels
 ) -> None:
     """On a CPU with AVX512F: the same outputs bit for bit with the 512-bit path on and off (packed prefill rows, a decode step's rows over chunks
     of k), plain and with the residual add, nothing written past the outputs."""
-    kernels = avx2_only
+    kernels = avx512_kernels
     torch.manual_seed(rows + out_features)
     weight = torch.randn(out_features, in_features)
     panels = torch.empty(kernels.packed_numel(out_features, in_features))
@@ -190,7 +190,7 @@ def test_the_512_bit_path_gives_the_avx2_bits(
     residual = torch.randn(rows, out_features)
     outputs = []
     for enable in (0, 1):
-        kernels.linear_avx512(enable)
+        kernels.avx512(enable)
         for linear in (kernels.linear, kernels.linear_add):
             canvas = torch.full((rows * out_features + 64,), float("nan"))
             if linear is kernels.linear_add:
@@ -296,3 +296,23 @@ def test_a_cpu_without_avx2_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
             load_native_kernels(default_kernel_dir())
     finally:
         load_native_kernels.cache_clear()
+
+
+def test_model_native_avx512_sets_the_kernels_width(make_engine: Any) -> None:
+    """``model.native_avx512: false`` keeps the native kernels on AVX2; true (the default) runs
+    them 512 bits wide exactly where the CPU has AVX512F; the linear or the attention kernel
+    alone sets it."""
+    kernels = load_native_kernels(default_kernel_dir())
+    has_avx512f = native_kernels.cpu_flags() >= {"avx512f"}
+    try:
+        make_engine(model__linear_kernel="native", model__native_avx512=False)
+        assert kernels.avx512_on() == 0
+        make_engine(model__linear_kernel="native")
+        assert kernels.avx512_on() == int(has_avx512f)
+        # The attention kernel alone sets it too (the micro model's head_dim 48 has none).
+        cpu_model.cpu_attention_kernel(
+            "native", dtype=torch.float32, head_dim=64, native_avx512=False
+        )
+        assert kernels.avx512_on() == 0
+    finally:
+        kernels.avx512(1)

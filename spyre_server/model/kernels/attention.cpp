@@ -16,7 +16,8 @@
 // Per tile of 48 keys, its key and value rows are first read in order (touch_rows); then per
 // head the keys are transposed into [head_dim][48] (8 x 8 AVX transposes), scores = q . k^T by
 // the 4 x 24 register block of linear_f32.cpp, then exp, then o += p . v with 3 rows x 32 dims
-// in registers.
+// in registers. On CPUs with AVX512F the same steps run 512 bits wide, with the same bits
+// (attend_tile512; model.native_avx512).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -24,6 +25,7 @@
 
 #include "avx2_math.h"
 #include "bf16_avx2.h"
+#include "native_avx512.h"
 
 #define UNROLL _Pragma("GCC unroll 16")
 
@@ -114,6 +116,59 @@ inline void weighted_values(const float* __restrict p, const T* const* vrows, in
     }
 }
 
+// On CPUs with AVX512F (while spyre_native_avx512_enabled) the products and the softmax run 512
+// bits wide (attend_tile512): the same sums in the same order per output, so the same bits as
+// the AVX2 code; with 32 registers the products take 8 and 6 rows per block instead of 4 and 3.
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512 inline __m512 load16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// scores<D, MB> with a row's 48 scores in three 512-bit accumulators.
+template <int64_t D, int MB>
+AVX512 inline void scores512(const float* __restrict q, const float* __restrict kt, float* __restrict s) {
+    static_assert(kTile == 48, "a tile is three 16-key vectors");
+    __m512 acc[MB][3];
+    UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const float* kr = kt + d * kTile;
+        const __m512 w0 = _mm512_loadu_ps(kr), w1 = _mm512_loadu_ps(kr + 16), w2 = _mm512_loadu_ps(kr + 32);
+        UNROLL for (int i = 0; i < MB; i++) {
+            const __m512 x = _mm512_set1_ps(q[i * D + d]);
+            acc[i][0] = _mm512_fmadd_ps(x, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(x, w1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(x, w2, acc[i][2]);
+        }
+    }
+    UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < 3; j++)
+        _mm512_storeu_ps(s + i * kTile + j * 16, acc[i][j]);
+}
+
+// weighted_values<D, MB, T> with 64 of a row's output values in four 512-bit accumulators.
+template <int64_t D, int MB, typename T>
+AVX512 inline void weighted_values512(const float* __restrict p, const T* const* vrows, int64_t hoff,
+                                      int64_t nk, float* __restrict o) {
+    UNROLL for (int64_t h = 0; h < D / 64; h++) {
+        __m512 acc[MB][4];
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < 4; j++)
+            acc[i][j] = _mm512_loadu_ps(o + i * D + h * 64 + j * 16);
+        for (int64_t k = 0; k < nk; k++) {
+            const T* vr = vrows[k] + hoff + h * 64;
+            __m512 x[MB];
+            UNROLL for (int i = 0; i < MB; i++) x[i] = _mm512_set1_ps(p[i * kTile + k]);
+            UNROLL for (int j = 0; j < 4; j++) {
+                const __m512 w = load16(vr + j * 16);
+                UNROLL for (int i = 0; i < MB; i++) acc[i][j] = _mm512_fmadd_ps(x[i], w, acc[i][j]);
+            }
+        }
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(o + i * D + h * 64 + j * 16, acc[i][j]);
+    }
+}
+
 // Scales row r's scores, folds the tile into its running (m, l) and rescales its o; s becomes
 // the tile's probabilities (0 past nk; all 0 and the state untouched for nk <= 0, a row the
 // causal mask hides the whole tile from).
@@ -138,7 +193,8 @@ inline void softmax_tile(float* s, int64_t nk, float scale, float* m, float* l, 
     }
     const float tile_max = hmax(vmax);
     const float new_max = tile_max > *m ? tile_max : *m;
-    const float rescale = expf(*m - new_max);  // 0 on the first tile (m = -inf)
+    // 0 on the first tile (m = -inf); exactly 1 (expf(0)) while the max holds
+    const float rescale = new_max == *m ? 1.0f : expf(*m - new_max);
     const __m256 vnew = _mm256_set1_ps(new_max);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = 0; j < kTile; j += 8) {
@@ -212,18 +268,113 @@ inline void touch_rows(const T* const* krows, const T* const* vrows, int64_t nk,
     __asm__ __volatile__("" : : "x"(acc));  // the loads are kept: their value is "used"
 }
 
-// Rows [0, R) of head h (q: [R][D]) against the tile of nk keys (nk <= kTile) locate_tile put
-// in w; row i sees only the keys before limits[i] - t0 of the tile (limits nullptr: all of
-// them). The rows' online-softmax states are o [R][D], m [R], l [R].
+// w.kt [D][kTile] = the tile's keys of head h (zeros past nk).
 template <int64_t D, typename T>
-void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
-                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D, T>& w) {
+inline void transpose_keys(int64_t h, int64_t nk, Work<D, T>& w) {
     const int64_t hoff = h * D;
     const int64_t full = nk / 8 * 8;
     for (int64_t j = 0; j < full; j += 8)
         for (int64_t d = 0; d < D; d += 8) transpose8(w.krows + j, hoff + d, w.kt + d * kTile + j, kTile);
     for (int64_t j = full; j < kTile; j++)
         for (int64_t d = 0; d < D; d++) w.kt[d * kTile + j] = j < nk ? to_float(w.krows[j][hoff + d]) : 0.0f;
+}
+
+// exp_clamped on 16 lanes: the same operations, so the same bits per lane.
+AVX512 inline __m512 exp_clamped512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// softmax_tile on 16 lanes, the same bits: the sum of the probabilities is taken 8 lanes wide
+// in softmax_tile's order (key blocks of 8 in turn, then hsum).
+template <int64_t D>
+AVX512 inline void softmax_tile512(float* s, int64_t nk, float scale, float* m, float* l, float* o) {
+    if (nk <= 0) {
+        for (int64_t j = 0; j < kTile; j++) s[j] = 0.0f;
+        return;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 x[3];
+    __mmask16 valid[3];
+    __m512 vmax = minus_inf;
+    UNROLL for (int j = 0; j < 3; j++) {
+        const int64_t left = nk - 16 * j;
+        valid[j] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+        x[j] = _mm512_mask_mul_ps(minus_inf, valid[j], _mm512_loadu_ps(s + 16 * j), vscale);
+        vmax = _mm512_max_ps(vmax, x[j]);
+    }
+    const float tile_max = _mm512_reduce_max_ps(vmax);
+    const float new_max = tile_max > *m ? tile_max : *m;
+    // 0 on the first tile (m = -inf); exactly 1 (expf(0)) while the max holds
+    const float rescale = new_max == *m ? 1.0f : expf(*m - new_max);
+    const __m512 vnew = _mm512_set1_ps(new_max);
+    __m256 vsum = _mm256_setzero_ps();
+    UNROLL for (int j = 0; j < 3; j++) {
+        const __m512 e = _mm512_maskz_mov_ps(valid[j], exp_clamped512(_mm512_sub_ps(x[j], vnew)));
+        _mm512_storeu_ps(s + 16 * j, e);
+        vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
+        vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+    *l = *l * rescale + hsum(vsum);
+    *m = new_max;
+    if (rescale != 1.0f) {
+        const __m512 vr = _mm512_set1_ps(rescale);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), vr));
+    }
+}
+
+// attend_tile 512 bits wide (see scores512).
+template <int64_t D, typename T>
+AVX512 void attend_tile512(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
+                           const int64_t* limits, float scale, float* o, float* m, float* l,
+                           Work<D, T>& w) {
+    transpose_keys<D, T>(h, nk, w);
+    int64_t r = 0;
+    for (; r + 8 <= R; r += 8) scores512<D, 8>(q + r * D, w.kt, w.s + r * kTile);
+    if (r + 4 <= R) { scores512<D, 4>(q + r * D, w.kt, w.s + r * kTile); r += 4; }
+    switch (R - r) {
+        case 3: scores512<D, 3>(q + r * D, w.kt, w.s + r * kTile); break;
+        case 2: scores512<D, 2>(q + r * D, w.kt, w.s + r * kTile); break;
+        case 1: scores512<D, 1>(q + r * D, w.kt, w.s + r * kTile); break;
+        default: break;
+    }
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t row_nk = limits == nullptr ? nk : (limits[i] - t0 < nk ? limits[i] - t0 : nk);
+        softmax_tile512<D>(w.s + i * kTile, row_nk, scale, m + i, l + i, o + i * D);
+    }
+    const int64_t hoff = h * D;
+    r = 0;
+    for (; r + 6 <= R; r += 6) weighted_values512<D, 6, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D);
+    if (r + 3 <= R) { weighted_values512<D, 3, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); r += 3; }
+    switch (R - r) {
+        case 2: weighted_values512<D, 2, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
+        case 1: weighted_values512<D, 1, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D); break;
+        default: break;
+    }
+}
+
+// Rows [0, R) of head h (q: [R][D]) against the tile of nk keys (nk <= kTile) locate_tile put
+// in w; row i sees only the keys before limits[i] - t0 of the tile (limits nullptr: all of
+// them). The rows' online-softmax states are o [R][D], m [R], l [R].
+template <int64_t D, typename T>
+void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
+                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D, T>& w) {
+    if (spyre_native_avx512_enabled) return attend_tile512<D, T>(q, R, h, t0, nk, limits, scale, o, m, l, w);
+    transpose_keys<D, T>(h, nk, w);
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) scores<D, 4>(q + r * D, w.kt, w.s + r * kTile);
     switch (R - r) {
@@ -236,6 +387,7 @@ void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
         const int64_t row_nk = limits == nullptr ? nk : (limits[i] - t0 < nk ? limits[i] - t0 : nk);
         softmax_tile<D>(w.s + i * kTile, row_nk, scale, m + i, l + i, o + i * D);
     }
+    const int64_t hoff = h * D;
     r = 0;
     for (; r + 3 <= R; r += 3) weighted_values<D, 3, T>(w.s + r * kTile, w.vrows, hoff, nk, o + r * D);
     switch (R - r) {

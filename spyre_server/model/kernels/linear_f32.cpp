@@ -22,7 +22,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native_avx512.h"
+
 #define UNROLL _Pragma("GCC unroll 16")
+
+bool spyre_native_avx512_enabled = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
 
 namespace {
 
@@ -309,7 +313,6 @@ AVX512 void linear512(const float* x, const float* xp, const float* panels, floa
     }
 }
 
-bool use_avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
 
 template <bool kAdd>
 void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K, int64_t N) {
@@ -323,7 +326,7 @@ void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K,
             linear<kAdd>(x + m * K, panels, y + m * N, M - m < kPackRows - 1 ? M - m : kPackRows - 1, K, N);
         return;
     }
-    if (M > kRowsPerBlock && use_avx512) return linear512<kAdd>(x, xp, panels, y, M, K, N);
+    if (M > kRowsPerBlock && spyre_native_avx512_enabled) return linear512<kAdd>(x, xp, panels, y, M, K, N);
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t first = b * kPanelsPerBlock;
@@ -344,12 +347,15 @@ void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K,
 
 extern "C" {
 
-// Whether more than 4 rows run 512 bits wide (on CPUs with AVX512F, the default there);
-// enable 0 turns it off, 1 back on where the CPU has it. The same bits either way.
-int spyre_linear_f32_avx512(int enable) {
-    use_avx512 = enable != 0 && __builtin_cpu_supports("avx512f");
-    return use_avx512 ? 1 : 0;
+// Whether the native kernels run 512 bits wide (on CPUs with AVX512F, the default there): here
+// more than 4 rows, in attention.cpp the products and the softmax. enable 0 turns it off, 1
+// back on where the CPU has it. The same bits either way.
+int spyre_native_avx512(int enable) {
+    spyre_native_avx512_enabled = enable != 0 && __builtin_cpu_supports("avx512f");
+    return spyre_native_avx512_enabled ? 1 : 0;
 }
+
+int spyre_native_avx512_on() { return spyre_native_avx512_enabled ? 1 : 0; }
 
 int64_t spyre_linear_f32_packed_numel(int64_t N, int64_t K) {
     return (N + kPanel - 1) / kPanel * kPanel * K;
