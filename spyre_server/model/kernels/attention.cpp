@@ -4,7 +4,8 @@
 // bfloat16 (a model in bfloat16); the compute is float32 either way (bfloat16 values are widened
 // as they are loaded, the output rounded once at the end).
 //
-// Two parts, merged exactly through their log-sum-exps:
+// Two parts, merged exactly through their log-sum-exps (in log2 units: a probability is
+// 2^(score * scale2 - max), scale2 the attention scale times log2(e)):
 // - the shared blocks (keys wholly before every query, no mask, read once for every row): the
 //   keys in `threads` contiguous ranges, one task per range covering every KV head (the cache
 //   interleaves the heads, so a task reads its range's memory once, in order); each task keeps
@@ -15,8 +16,8 @@
 //   that the mask hides it from wholly skipped.
 // Per tile of 48 keys, its key and value rows are first read in order (touch_rows); then per
 // head the keys are transposed into [head_dim][48] (8 x 8 AVX transposes), scores = q . k^T by
-// the 4 x 24 register block of linear_f32.cpp, then exp, then o += p . v with 3 rows x 32 dims
-// in registers. On CPUs with AVX512F the same steps run 512 bits wide, with the same bits
+// the 4 x 24 register block of linear_f32.cpp, then the softmax, then o += p . v with 3 rows x 32
+// dims in registers. On CPUs with AVX512F the same steps run 512 bits wide, with the same bits
 // (attend_tile512; model.native_avx512).
 #include <immintrin.h>
 #include <math.h>
@@ -31,7 +32,6 @@
 
 namespace {
 
-using spyre_avx2::exp_clamped;
 using spyre_avx2::hmax;
 using spyre_avx2::hsum;
 
@@ -169,40 +169,55 @@ AVX512 inline void weighted_values512(const float* __restrict p, const T* const*
     }
 }
 
-// Scales row r's scores, folds the tile into its running (m, l) and rescales its o; s becomes
-// the tile's probabilities (0 past nk; all 0 and the state untouched for nk <= 0, a row the
-// causal mask hides the whole tile from).
+// 2^y for y in [-125, 0] (y clamped into it): Cephes' exp2f polynomial on [-1/2, 1/2], relative
+// error under 1e-7 (8e-8 measured); 2^-125 is 0 to float32 precision next to a row's max (1).
+inline __m256 exp2_clamped(__m256 y) {
+    y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-125.0f)), _mm256_setzero_ps());
+    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(y, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lanes j..j+7 of a tile that are among its first nk keys, as an all-ones mask per lane.
+inline __m256 first_keys(int64_t nk, int64_t j) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nk - j)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// Folds a row's tile of scores s (the first nk of them) into its running max m and sum l, in
+// log2 units (scale2: the attention scale times log2(e)), and rescales its o; s becomes the
+// tile's probabilities 2^(scale2 * s - m) (0 past nk; all 0 and the state untouched for nk <= 0,
+// a row the causal mask hides the whole tile from).
 template <int64_t D>
-inline void softmax_tile(float* s, int64_t nk, float scale, float* m, float* l, float* o) {
+inline void softmax_tile(float* s, int64_t nk, float scale2, float* m, float* l, float* o) {
     if (nk <= 0) {
         for (int64_t j = 0; j < kTile; j++) s[j] = 0.0f;
         return;
     }
-    const __m256 vscale = _mm256_set1_ps(scale);
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    __m256 vmax = minus_inf;
     for (int64_t j = 0; j < kTile; j += 8) {
-        __m256 x = _mm256_mul_ps(_mm256_load_ps(s + j), vscale);
-        if (j + 8 > nk) {
-            alignas(32) float tmp[8];
-            _mm256_store_ps(tmp, x);
-            for (int64_t c = 0; c < 8; c++) if (j + c >= nk) tmp[c] = -INFINITY;
-            x = _mm256_load_ps(tmp);
-        }
-        _mm256_store_ps(s + j, x);
-        vmax = _mm256_max_ps(vmax, x);
+        const __m256 x = _mm256_load_ps(s + j);
+        vmax = _mm256_max_ps(vmax, j + 8 > nk ? _mm256_blendv_ps(minus_inf, x, first_keys(nk, j)) : x);
     }
-    const float tile_max = hmax(vmax);
+    const float tile_max = hmax(vmax) * scale2;  // scale2 > 0: the scaled scores' max
     const float new_max = tile_max > *m ? tile_max : *m;
-    // 0 on the first tile (m = -inf); exactly 1 (expf(0)) while the max holds
-    const float rescale = new_max == *m ? 1.0f : expf(*m - new_max);
-    const __m256 vnew = _mm256_set1_ps(new_max);
+    // 0 on the first tile (m = -inf); exactly 1 (exp2f(0)) while the max holds
+    const float rescale = new_max == *m ? 1.0f : exp2f(*m - new_max);
+    const __m256 vscale = _mm256_set1_ps(scale2), vnew = _mm256_set1_ps(new_max);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = 0; j < kTile; j += 8) {
-        const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_load_ps(s + j), vnew));
-        const __m256 kept = j + 8 > nk ? _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                                             _mm256_set1_epi32(static_cast<int>(nk - j)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))))
-                                       : e;
+        const __m256 e = exp2_clamped(_mm256_fmsub_ps(_mm256_load_ps(s + j), vscale, vnew));
+        const __m256 kept = j + 8 > nk ? _mm256_and_ps(e, first_keys(nk, j)) : e;
         _mm256_store_ps(s + j, kept);
         vsum = _mm256_add_ps(vsum, kept);
     }
@@ -279,21 +294,18 @@ inline void transpose_keys(int64_t h, int64_t nk, Work<D, T>& w) {
         for (int64_t d = 0; d < D; d++) w.kt[d * kTile + j] = j < nk ? to_float(w.krows[j][hoff + d]) : 0.0f;
 }
 
-// exp_clamped on 16 lanes: the same operations, so the same bits per lane.
-AVX512 inline __m512 exp_clamped512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+// exp2_clamped on 16 lanes: the same operations, so the same bits per lane.
+AVX512 inline __m512 exp2_clamped512(__m512 y) {
+    y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-125.0f)), _mm512_setzero_ps());
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(
         _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
@@ -302,29 +314,30 @@ AVX512 inline __m512 exp_clamped512(__m512 x) {
 // softmax_tile on 16 lanes, the same bits: the sum of the probabilities is taken 8 lanes wide
 // in softmax_tile's order (key blocks of 8 in turn, then hsum).
 template <int64_t D>
-AVX512 inline void softmax_tile512(float* s, int64_t nk, float scale, float* m, float* l, float* o) {
+AVX512 inline void softmax_tile512(float* s, int64_t nk, float scale2, float* m, float* l, float* o) {
     if (nk <= 0) {
         for (int64_t j = 0; j < kTile; j++) s[j] = 0.0f;
         return;
     }
-    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 x[3];
     __mmask16 valid[3];
     __m512 vmax = minus_inf;
     UNROLL for (int j = 0; j < 3; j++) {
         const int64_t left = nk - 16 * j;
         valid[j] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-        x[j] = _mm512_mask_mul_ps(minus_inf, valid[j], _mm512_loadu_ps(s + 16 * j), vscale);
+        x[j] = _mm512_mask_mov_ps(minus_inf, valid[j], _mm512_loadu_ps(s + 16 * j));
         vmax = _mm512_max_ps(vmax, x[j]);
     }
-    const float tile_max = _mm512_reduce_max_ps(vmax);
+    const float tile_max = _mm512_reduce_max_ps(vmax) * scale2;  // scale2 > 0
     const float new_max = tile_max > *m ? tile_max : *m;
-    // 0 on the first tile (m = -inf); exactly 1 (expf(0)) while the max holds
-    const float rescale = new_max == *m ? 1.0f : expf(*m - new_max);
-    const __m512 vnew = _mm512_set1_ps(new_max);
+    // 0 on the first tile (m = -inf); exactly 1 (exp2f(0)) while the max holds
+    const float rescale = new_max == *m ? 1.0f : exp2f(*m - new_max);
+    const __m512 vscale = _mm512_set1_ps(scale2), vnew = _mm512_set1_ps(new_max);
     __m256 vsum = _mm256_setzero_ps();
     UNROLL for (int j = 0; j < 3; j++) {
-        const __m512 e = _mm512_maskz_mov_ps(valid[j], exp_clamped512(_mm512_sub_ps(x[j], vnew)));
+        const __m512 y = _mm512_fmsub_ps(x[j], vscale, vnew);
+        const __m512 e = _mm512_maskz_mov_ps(valid[j], exp2_clamped512(y));
         _mm512_storeu_ps(s + 16 * j, e);
         vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
         vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
@@ -340,7 +353,7 @@ AVX512 inline void softmax_tile512(float* s, int64_t nk, float scale, float* m, 
 // attend_tile 512 bits wide (see scores512).
 template <int64_t D, typename T>
 AVX512 void attend_tile512(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
-                           const int64_t* limits, float scale, float* o, float* m, float* l,
+                           const int64_t* limits, float scale2, float* o, float* m, float* l,
                            Work<D, T>& w) {
     transpose_keys<D, T>(h, nk, w);
     int64_t r = 0;
@@ -354,7 +367,7 @@ AVX512 void attend_tile512(const float* q, int64_t R, int64_t h, int64_t t0, int
     }
     for (int64_t i = 0; i < R; i++) {
         const int64_t row_nk = limits == nullptr ? nk : (limits[i] - t0 < nk ? limits[i] - t0 : nk);
-        softmax_tile512<D>(w.s + i * kTile, row_nk, scale, m + i, l + i, o + i * D);
+        softmax_tile512<D>(w.s + i * kTile, row_nk, scale2, m + i, l + i, o + i * D);
     }
     const int64_t hoff = h * D;
     r = 0;
@@ -372,8 +385,8 @@ AVX512 void attend_tile512(const float* q, int64_t R, int64_t h, int64_t t0, int
 // them). The rows' online-softmax states are o [R][D], m [R], l [R].
 template <int64_t D, typename T>
 void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
-                 const int64_t* limits, float scale, float* o, float* m, float* l, Work<D, T>& w) {
-    if (spyre_native_avx512_enabled) return attend_tile512<D, T>(q, R, h, t0, nk, limits, scale, o, m, l, w);
+                 const int64_t* limits, float scale2, float* o, float* m, float* l, Work<D, T>& w) {
+    if (spyre_native_avx512_enabled) return attend_tile512<D, T>(q, R, h, t0, nk, limits, scale2, o, m, l, w);
     transpose_keys<D, T>(h, nk, w);
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) scores<D, 4>(q + r * D, w.kt, w.s + r * kTile);
@@ -385,7 +398,7 @@ void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
     }
     for (int64_t i = 0; i < R; i++) {
         const int64_t row_nk = limits == nullptr ? nk : (limits[i] - t0 < nk ? limits[i] - t0 : nk);
-        softmax_tile<D>(w.s + i * kTile, row_nk, scale, m + i, l + i, o + i * D);
+        softmax_tile<D>(w.s + i * kTile, row_nk, scale2, m + i, l + i, o + i * D);
     }
     const int64_t hoff = h * D;
     r = 0;
@@ -426,7 +439,7 @@ struct Layout {
 // (one task per range, over every head: a range's memory is read once, in order), merged into
 // out [H][R][D] and lse [H][round16(R)].
 template <int64_t D, typename T>
-void shared_part(const float* qs, int64_t H, int64_t R, const Context<T>& ctx, int64_t L, float scale,
+void shared_part(const float* qs, int64_t H, int64_t R, const Context<T>& ctx, int64_t L, float scale2,
                  int64_t splits, float* states, float* works, int64_t work_stride, float* out,
                  float* lse) {
     const int64_t state = R * D + 2 * round16(R);
@@ -445,7 +458,7 @@ void shared_part(const float* qs, int64_t H, int64_t R, const Context<T>& ctx, i
             touch_rows(w.krows, w.vrows, nk, 0, ctx.ldk);  // every head's: the rows are contiguous
             for (int64_t h = 0; h < H; h++) {
                 float* o = states + (h * splits + sp) * state;
-                attend_tile<D, T>(qs + h * R * D, R, h, t0, nk, nullptr, scale, o, o + R * D,
+                attend_tile<D, T>(qs + h * R * D, R, h, t0, nk, nullptr, scale2, o, o + R * D,
                                o + R * D + round16(R), w);
             }
         }
@@ -464,12 +477,12 @@ void shared_part(const float* qs, int64_t H, int64_t R, const Context<T>& ctx, i
             const float* st = states + (h * splits + sp) * state;
             const float l = st[R * D + round16(R) + r];
             if (l == 0.0f) continue;  // an empty range
-            const float f = expf(st[R * D + r] - max);
+            const float f = exp2f(st[R * D + r] - max);
             total += l * f;
             for (int64_t d = 0; d < D; d++) acc[d] += st[r * D + d] * f;
         }
         for (int64_t d = 0; d < D; d++) out[hr * D + d] = acc[d] / total;
-        lse[h * round16(R) + r] = max + logf(total);
+        lse[h * round16(R) + r] = max + log2f(total);
     }
 }
 
@@ -480,6 +493,7 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, int64_t bs,
                      const int64_t* positions, float scale, int64_t threads, float* scratch,
                      T* out) {
     const int64_t Rb = nq * G;  // rows per head of one sequence
+    const float scale2 = scale * 1.44269504088896341f;  // log2(e): the softmax in log2 units
     const Layout<D> lay{H, n * Rb, threads, threads};
     const int64_t R = lay.R, ldk = H * D, shared_len = num_shared * bs;
     float* qs = scratch;
@@ -496,7 +510,7 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, int64_t bs,
         }
     if (num_shared > 0) {
         const Context<T> ctx{k_cache, v_cache, shared_blocks, bs, ldk};
-        shared_part<D, T>(qs, H, R, ctx, shared_len, scale, threads, states, works, lay.thread_work(),
+        shared_part<D, T>(qs, H, R, ctx, shared_len, scale2, threads, states, works, lay.thread_work(),
                        shared_out, shared_lse);
     }
     // The own blocks: one task per (sequence, head, block of kOwnRows rows), causal.
@@ -527,7 +541,7 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, int64_t bs,
                 while (limits[first] <= t0) first++;
                 locate_tile<D, T>(ctx, t0, nk, w);
                 touch_rows(w.krows, w.vrows, nk, h * D, D);
-                attend_tile<D, T>(qrows + first * D, rows - first, h, t0, nk, limits + first, scale,
+                attend_tile<D, T>(qrows + first * D, rows - first, h, t0, nk, limits + first, scale2,
                                o + first * D, m + first, l + first, w);
             }
             // Merge with the shared part through the log-sum-exps, into out's layout.
@@ -539,8 +553,8 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, int64_t bs,
                 if (num_shared > 0) {
                     const float s_lse = shared_lse[h * round16(R) + r];
                     const float mx = m[i] > s_lse ? m[i] : s_lse;
-                    own_w = expf(m[i] - mx);
-                    shared_w = expf(s_lse - mx);
+                    own_w = exp2f(m[i] - mx);
+                    shared_w = exp2f(s_lse - mx);
                 }
                 const float inv = 1.0f / (l[i] * own_w + shared_w);
                 for (int64_t d = 0; d < D; d++)
