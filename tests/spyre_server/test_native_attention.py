@@ -508,3 +508,53 @@ def test_the_dot_wrappers_run_every_row_group(bf16_dot: Any) -> None:
         assert got.dtype == torch.bfloat16
         error = (got.double() - want).abs() - 2.0**-8 * want.abs() - probabilities
         assert float(error.max()) < TOL
+
+
+def test_native_attention_on_a_head_dim_it_cannot_compute_fails_at_start(
+    make_engine: object,
+) -> None:
+    """The micro model has head_dim 48."""
+    with pytest.raises(LinearKernelError, match=r"attention_kernel 'native'.*head_dim 48"):
+        make_engine(model__attention_kernel="native")  # type: ignore[operator]
+
+
+def test_without_prefill_chunks_go_to_flash_and_decode_steps_to_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``model.attention_kernel: auto`` in bfloat16: a prefill chunk's queries through SDPA's
+    flash kernel (our kernel never called), a decode batch's through ours (flash never called),
+    both equal to attention in float64 over the same bfloat16 values."""
+    torch.manual_seed(4)
+    nheads, kvheads, head_dim = 6, 2, 64
+    key_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
+    value_cache = torch.randn(12, BS, kvheads, head_dim).bfloat16()
+    mixed = NativePagedAttention(kernels(), prefill=False)
+    ours, flash = [], []
+    group_call, flash_call = mixed._group, paged_attention._flash_attention
+
+    def counted_group(*args: Any) -> None:
+        ours.append(1)
+        group_call(*args)
+
+    def counted_flash(*args: Any, **kwargs: Any) -> Any:
+        flash.append(1)
+        return flash_call(*args, **kwargs)
+
+    monkeypatch.setattr(mixed, "_group", counted_group)
+    monkeypatch.setattr(paged_attention, "_flash_attention", counted_flash)
+    for tables, positions, by_ours in (
+        ([[7, 8, 9]], [list(range(130, 160))], False),  # a prefill chunk of 30 queries
+        ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[250], [200], [130]], True),  # decode
+    ):
+        ours.clear()
+        flash.clear()
+        query = torch.randn(len(tables), len(positions[0]), nheads, head_dim).bfloat16()
+        got = mixed(query, key_cache, value_cache, plan_attention(tables, positions, BS), 0.125)
+        want = naive_attention(
+            query.double(), key_cache.double(), value_cache.double(), tables, positions
+        )
+        assert got.dtype == torch.bfloat16
+        # ours rounds once; flash rounds inside too (test_paged_attention's bfloat16 tolerance)
+        tolerance = 2.0**-8 * float(want.abs().max()) + TOL if by_ours else 2e-2
+        assert max_abs(got, want) < tolerance
+        assert (bool(ours), bool(flash)) == (by_ours, not by_ours)

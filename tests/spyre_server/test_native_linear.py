@@ -8,7 +8,6 @@ is bounded by K float32 roundings of the products' magnitudes: |err| <= K * 2^-2
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,18 +146,6 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
             assert torch.equal(native(x[i : i + 3])[0], batch[i])
             assert torch.equal(native(x[i : i + 11])[0], batch[i])
         assert torch.equal(native(x[:15]), batch[:15])
-
-
-@pytest.fixture
-def avx2_only() -> Iterator[native_kernels.NativeKernels]:
-    """The kernels with the 512-bit path off (restored after); skips on CPUs without AVX512F,
-    where there is no second path to compare."""
-    kernels = load_native_kernels(default_kernel_dir())
-    if kernels.avx512(1) != 1:
-        pytest.skip("this CPU lacks avx512f: the kernel has only its AVX2 path here")
-    kernels.avx512(0)
-    yield kernels
-    kernels.avx512(1)
 
 
 @pytest.mark.parametrize(

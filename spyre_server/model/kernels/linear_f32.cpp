@@ -16,8 +16,9 @@
 // On CPUs with AVX512F, from 5 rows on, two panels share a 512-bit register (linear512): the
 // same sums in the same order, so the same bits, at twice the width.
 //
-// Threads: an OpenMP loop over blocks of 3 panels (6 on AVX512F), in the OpenMP runtime torch already loaded
-// (libgomp.so.1 by soname), so this runs on torch's own thread pool and thread count.
+// Threads: an OpenMP loop over blocks of 3 panels (6 on AVX512F), in the OpenMP runtime torch
+// already loaded (libgomp.so.1 by soname), so this runs on torch's own thread pool and thread
+// count.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -312,7 +313,6 @@ AVX512 void linear512(const float* x, const float* xp, const float* panels, floa
             column_block<1, kAdd>(x, xp, rp, ry, M, K, N, rest_last_cols);
     }
 }
-
 
 template <bool kAdd>
 void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K, int64_t N) {
