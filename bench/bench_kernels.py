@@ -9,7 +9,10 @@ not from cache, as in a real step: each kernel runs over 30 distinct layers' ten
 Prints, per kernel: time per layer, and the rate it reaches in GB/s (bytes of weights or K/V
 read) and GFLOP/s, next to the limits measured here first:
 - memory: a streaming read (``sum`` of 400 MB);
-- arithmetic: a 2048^3 matrix product.
+- arithmetic: the FMA peak, independent FMA chains on every thread (``bench/fma_peak.cpp``,
+  built here with ``$CXX`` or g++) as wide as the native kernels run (512 bits where they do,
+  else AVX2). A 2048^3 matrix product's rate is printed beside it; it is the limit instead only
+  where no compiler is found (said in the output).
 
 The two workloads of issue 12: a decode step of 8 rows over a 1,536-token shared prefix (+ 2
 own blocks each), and a warm prefill of 64 new tokens over the same prefix. Then all of a step's
@@ -20,9 +23,15 @@ projections under each linear kernel (native, onednn; on AVX512F CPUs also nativ
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +49,7 @@ GROUP = HEADS // KV_HEADS
 BLOCK = 64
 PREFIX_BLOCKS = 24  # 1,536 tokens
 DECODE_ROWS = 8
+FMA_PEAK_SOURCE = Path(__file__).resolve().parent / "fma_peak.cpp"
 
 _reorder = torch.ops.mkldnn._reorder_linear_weight
 _linear = torch.ops.mkldnn._linear_pointwise
@@ -62,6 +72,28 @@ def limits() -> tuple[float, float]:
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     gemm = 2 * 2048**3 / seconds(lambda: a @ b) / 1e9
     return read, gemm
+
+
+def fma_peak(threads: int, width512: bool) -> float | None:
+    """GFLOP/s of ``fma_peak.cpp`` on ``threads`` threads, 512 or 256 bits wide; None without a
+    C++ compiler."""
+    compiler = shutil.which(os.environ.get("CXX") or "g++")
+    if compiler is None:
+        return None
+    isa = ["-mavx512f", "-DWIDTH512"] if width512 else ["-mavx2", "-mfma"]
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / "fma_peak"
+        subprocess.run(
+            [compiler, "-O2", "-fopenmp", *isa, str(FMA_PEAK_SOURCE), "-o", str(binary)],
+            check=True,
+        )
+        out = subprocess.run(
+            [str(binary), str(threads)], check=True, capture_output=True, text=True
+        ).stdout
+    match = re.search(r"^peak ([0-9.]+) GFLOP/s", out, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"fma_peak printed no peak:\n{out}")
+    return float(match.group(1))
 
 
 Kernel = tuple[str, float, float, float, int]
@@ -187,10 +219,10 @@ def attention(
 
 
 def report(
-    title: str, kernels: list[Kernel], read: float, gemm: float, others: list[Kernel]
+    title: str, kernels: list[Kernel], read: float, peak: float, others: list[Kernel]
 ) -> None:
     """Per kernel: its time per step, its rates, and its time at the limits (the larger of
-    bytes / read rate and FLOPs / GEMM rate); then ``others`` (alternatives, not in the
+    bytes / read rate and FLOPs / arithmetic peak); then ``others`` (alternatives, not in the
     total)."""
     print(f"\n== {title} ==")
     print(
@@ -199,7 +231,7 @@ def report(
     )
     total = floor = 0.0
     for row, (name, t, num_bytes, flops, calls) in enumerate([*kernels, *others]):
-        limit = calls * max(num_bytes / (read * 1e9), flops / (gemm * 1e9))
+        limit = calls * max(num_bytes / (read * 1e9), flops / (peak * 1e9))
         if row < len(kernels):
             total += calls * t
             floor += limit
@@ -236,7 +268,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
     read, gemm = limits()
-    print(f"limits: streaming read {read:.1f} GB/s, 2048^3 matrix product {gemm:.0f} GFLOP/s")
+    width512 = load_native_kernels(default_kernel_dir()).avx512_on() == 1
+    peak = fma_peak(args.threads, width512)
+    if peak is None:
+        print("no C++ compiler for fma_peak.cpp: the arithmetic limit below is the GEMM's rate")
+    print(
+        f"limits: streaming read {read:.1f} GB/s, FMA peak "
+        + (
+            f"{peak:.0f} GFLOP/s ({512 if width512 else 256} bits, as the native kernels run)"
+            if peak is not None
+            else "not measured"
+        )
+        + f"; a 2048^3 matrix product (torch) runs at {gemm:.0f} GFLOP/s"
+    )
     keys, values = caches()
     with torch.inference_mode():
         for title, rows in (
@@ -250,7 +294,7 @@ def main() -> None:
                 f"{title}, {args.linear_kernel} linears",
                 step_kernels,
                 read,
-                gemm,
+                gemm if peak is None else peak,
                 others=attention(rows, keys, values, other),
             )
         compare_linear_kernels((1, 8, 64, 256))
