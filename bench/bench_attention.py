@@ -1,7 +1,8 @@
 """The paged-attention kernels side by side in bfloat16 (or float32), at issue 12's shapes, in one
 run.
 
-Run: ``.venv/bin/python bench/bench_attention.py [--threads 2] [--dtype float32]`` (about a minute;
+Run: ``.venv/bin/python bench/bench_attention.py [--threads 2] [--dtype float32]
+[--no-native-avx512]`` (about a minute;
 nothing else may run meanwhile). SmolLM2-135M's attention (9 query / 3 KV heads of 64) over a paged
 cache
 of 64-token blocks, every layer's cache a distinct tensor (each timing runs the 30 layers, so the
@@ -92,6 +93,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--no-native-avx512",
+        dest="native_avx512",
+        action="store_false",
+        help="model.native_avx512: false (our kernel's AVX2 code on AVX512F CPUs)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -102,6 +109,8 @@ def main() -> None:
         f"{gemm:.0f} GFLOP/s"
     )
     lib = load_native_kernels(default_kernel_dir())
+    lib.avx512(1 if args.native_avx512 else 0)
+    print(f"native: {512 if lib.avx512_on() else 256} bits wide")
     kernels: dict[str, NativePagedAttention | None] = {}
     for dot, unsupported in (
         ("amx", amx_unsupported_reason),

@@ -320,7 +320,7 @@ def main() -> None:
         choices=("auto", "native", "amx", "avx512_bf16", "mixed", "flash"),
         default="auto",
         help="model.attention_kernel: auto (the server's default: ours; in bfloat16 our "
-        "dot-product kernel on AMX where the CPU has AMX, else on AVX512-BF16, else mixed), ours, "
+        "dot-product kernel on AMX where the CPU has AMX, else on AVX512-BF16, else ours), ours, "
         "ours on AMX or on AVX512-BF16 (bfloat16), mixed (ours for decode steps, flash for "
         "prefill chunks), or SDPA's flash kernel",
     )

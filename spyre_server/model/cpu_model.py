@@ -105,12 +105,13 @@ def resolve_attention_kernel(
         if dtype == torch.float32:
             return "native"
         # In bfloat16 our dot-product kernels multiply bfloat16 for both the prefill chunks
-        # and the decode steps, on AMX or else AVX512-BF16; without either, SDPA's flash
-        # kernel is faster at prefill chunks and ours (float32) at decode steps. RESULTS.md
-        # measures them all.
+        # and the decode steps, on AMX or else AVX512-BF16. Without either, ours computing in
+        # float32 beats SDPA's flash kernel at both: flash multiplies bfloat16 fast only on
+        # AMX (RESULTS.md, session 14: without AMX flash ran prefill chunks at 78-130 GFLOP/s,
+        # ours at 140-290).
         if bf16_dot_unsupported_reason("amx") is None:
             return "amx"
-        return "avx512_bf16" if bf16_dot_unsupported_reason("avx512_bf16") is None else "mixed"
+        return "avx512_bf16" if bf16_dot_unsupported_reason("avx512_bf16") is None else "native"
     if requested in ("native", "mixed") and not supported:
         raise LinearKernelError(
             f"model.attention_kernel '{requested}' computes float32 or bfloat16 with head_dim "
@@ -155,7 +156,8 @@ def cpu_attention_kernel(
                 "set model.attention_kernel: auto"
             )
         logger.warning("cpu kernels: attention_kernel not %s: %s", resolved, DOT_BF16_NOT_COMPILED)
-        resolved = "mixed"
+        # With AMX, flash's products run on it (faster than ours in float32 at prefill chunks).
+        resolved = "mixed" if resolved == "amx" else "native"
     if resolved == "mixed":
         logger.info(
             "cpu kernels: attention_kernel native for decode steps, flash for prefill chunks (%s)",

@@ -58,8 +58,8 @@ class NativePagedAttention:
         self, kernels: NativeKernels, *, prefill: bool = True, bf16_dot: Bf16Dot | None = None
     ) -> None:
         """``prefill`` False: queries of more than one position (prefill chunks) go to SDPA's
-        flash kernel instead (``model.attention_kernel: mixed``, where flash multiplies
-        bfloat16 natively and this kernel in float32: RESULTS.md measures both). ``bf16_dot``:
+        flash kernel instead (``model.attention_kernel: mixed``: on AMX, flash multiplies
+        bfloat16 on the tiles and this kernel in float32; RESULTS.md measures both). ``bf16_dot``:
         the bfloat16 dot-product kernel (bfloat16 only) on that unit, None: float32 compute;
         raises ValueError where it cannot run here."""
         self._dot_kernel = None

@@ -67,7 +67,7 @@ def copy_of(model: torch.nn.Module, dtype: torch.dtype, linear_kernel: str) -> t
 CASES = [
     # (dtype, linear_kernel, attention_kernel): the attention as model.attention_kernel gives it
     pytest.param(torch.bfloat16, bf16_linear_kernel(), "flash", id="bfloat16-flash"),
-    pytest.param(torch.bfloat16, bf16_linear_kernel(), "auto", id="bfloat16-mixed"),
+    pytest.param(torch.bfloat16, bf16_linear_kernel(), "mixed", id="bfloat16-mixed"),
     pytest.param(torch.float32, "onednn", "flash", id="float32-onednn-flash"),
     pytest.param(torch.float32, "onednn", "native", id="float32-onednn-native"),
     pytest.param(torch.float32, "native", "flash", id="float32-native-linear-flash"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import math
 import subprocess
 from pathlib import Path
@@ -366,7 +367,7 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
     for dot in ("amx", "avx512_bf16"):
         with pytest.raises(LinearKernelError, match=rf"'{dot}'.*float32 with head_dim"):
             resolve_attention_kernel(dot, torch.float32, 64)  # type: ignore[arg-type]
-    # bfloat16: amx where the CPU has it, else avx512_bf16, else mixed; each refuses with the
+    # bfloat16: amx where the CPU has it, else avx512_bf16, else native; each refuses with the
     # reason where it cannot run.
     monkeypatch.setattr(native_kernels, "amx_unsupported_reason", lambda: None)
     monkeypatch.setattr(native_kernels, "avx512_bf16_unsupported_reason", lambda: None)
@@ -380,7 +381,7 @@ def test_auto_picks_native_where_it_computes(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(
         native_kernels, "avx512_bf16_unsupported_reason", lambda: "this CPU lacks avx512_bf16"
     )
-    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "mixed"
+    assert resolve_attention_kernel("auto", torch.bfloat16, 64) == "native"
     with pytest.raises(LinearKernelError, match=r"'avx512_bf16' cannot run here: .*avx512_bf16"):
         resolve_attention_kernel("avx512_bf16", torch.bfloat16, 64)
     monkeypatch.setattr(cpu_model, "unsupported_cpu_reason", lambda: "this CPU lacks avx2")
@@ -399,7 +400,7 @@ def test_the_runner_gets_our_kernel_or_none() -> None:
     elif avx512_bf16_unsupported_reason() is None:
         assert auto.prefill and auto.bf16_dot == "avx512_bf16"
     else:
-        assert not auto.prefill and auto.bf16_dot is None
+        assert auto.prefill and auto.bf16_dot is None
     mixed = cpu_attention_kernel("mixed", dtype=torch.bfloat16, head_dim=64)
     assert isinstance(mixed, NativePagedAttention) and not mixed.prefill
     assert mixed.bf16_dot is None
@@ -459,21 +460,29 @@ def test_without_amx_intrinsics_the_library_builds_stubs_that_refuse(tmp_path: P
         assert kernels().dot_bf16_compiled
 
 
-@pytest.mark.parametrize("bf16_dot", ["amx", "avx512_bf16"])
-def test_auto_falls_back_to_mixed_where_the_kernels_lack_the_dot_kernels(
-    bf16_dot: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("bf16_dot", "auto_prefill"), [("amx", False), ("avx512_bf16", True)])
+def test_auto_falls_back_where_the_kernels_lack_the_dot_kernels(
+    bf16_dot: Any,
+    auto_prefill: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """On a CPU with the unit whose kernels were built without AMX intrinsics: auto runs mixed
-    (and logs why), an explicit request stops the start with the reason, the wrapper refuses."""
+    in place of amx (flash's products run on the tiles) and native in place of avx512_bf16 (and
+    logs why), an explicit request stops the start with the reason, the wrapper refuses."""
     stubbed = dataclasses.replace(kernels(), dot_bf16_compiled=False)
     monkeypatch.setattr(
         native_kernels, "amx_unsupported_reason", lambda: None if bf16_dot == "amx" else "no AMX"
     )
     monkeypatch.setattr(native_kernels, "avx512_bf16_unsupported_reason", lambda: None)
     monkeypatch.setattr(cpu_model, "_native_kernels", lambda kernel_dir, avx512: stubbed)
-    auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
-    assert isinstance(auto, NativePagedAttention) and not auto.prefill
+    with caplog.at_level(logging.WARNING, logger="spyre_server.model.cpu_model"):
+        auto = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
+    assert isinstance(auto, NativePagedAttention) and auto.prefill == auto_prefill
     assert auto.bf16_dot is None
+    assert f"attention_kernel not {bf16_dot}: the native kernels were compiled without" in (
+        caplog.text
+    )
     with pytest.raises(LinearKernelError, match=rf"'{bf16_dot}' cannot run here: .*g\+\+ 11"):
         cpu_attention_kernel(bf16_dot, dtype=torch.bfloat16, head_dim=64)
     with pytest.raises(ValueError, match=r"compiled without AMX intrinsics"):
