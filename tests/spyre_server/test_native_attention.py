@@ -530,7 +530,7 @@ def test_native_attention_on_a_head_dim_it_cannot_compute_fails_at_start(
 def test_without_prefill_chunks_go_to_flash_and_decode_steps_to_ours(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``model.attention_kernel: auto`` in bfloat16: a prefill chunk's queries through SDPA's
+    """``model.attention_kernel: mixed`` in bfloat16: a prefill chunk's queries through SDPA's
     flash kernel (our kernel never called), a decode batch's through ours (flash never called),
     both equal to attention in float64 over the same bfloat16 values."""
     torch.manual_seed(4)

@@ -166,8 +166,9 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
 def test_the_512_bit_path_gives_the_avx2_bits(
     rows: int, out_features: int, in_features: int, avx512_kernels: native_kernels.NativeKernels
 ) -> None:
-    """On a CPU with AVX512F: the same outputs bit for bit with the 512-bit path on and off (packed prefill rows, a decode step's rows over chunks
-    of k), plain and with the residual add, nothing written past the outputs."""
+    """On a CPU with AVX512F: the same outputs bit for bit with the 512-bit path on and off
+    (packed prefill rows, a decode step's rows over chunks of k), plain and with the residual
+    add, nothing written past the outputs."""
     kernels = avx512_kernels
     torch.manual_seed(rows + out_features)
     weight = torch.randn(out_features, in_features)
