@@ -31,8 +31,9 @@ class SchedulerConfig:
     num_blocks: int = 256
     """KV blocks in the pool, block 0 (padding / write sink) included."""
     max_batch_tkv_limit: int | None = None
-    """Volumetric limit: batch_size * tkv must stay within it at every decode step.
-    ``None`` means max_model_len * max_num_seqs."""
+    """Volumetric limit: batch_size * padded tkv (every row left-padded to the widest block
+    table) must stay within it at every decode step. ``None`` means max_model_len, in whole
+    blocks, * max_num_seqs: every batch of max_model_len requests fits."""
     interleave: bool = True
     """While any request decodes, alternate prefill and decode steps."""
     enable_prefix_caching: bool = True
@@ -67,5 +68,6 @@ class SchedulerConfig:
     @property
     def batch_tkv_limit(self) -> int:
         if self.max_batch_tkv_limit is None:
-            return self.max_model_len * self.max_num_seqs
+            blocks = -(-self.max_model_len // self.block_size)
+            return blocks * self.block_size * self.max_num_seqs
         return self.max_batch_tkv_limit

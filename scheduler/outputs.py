@@ -8,7 +8,7 @@ block 0 (slot < block_size) is the write sink whose content is never read.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.request import FinishReason
 
@@ -66,10 +66,15 @@ ScheduledStep = PrefillChunk | DecodeBatch
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """What the runner reports after executing a step: one sampled token per request that had
-    to produce one (the last prefill chunk, every decode entry)."""
+    """What the engine reports after a step ran: one sampled token per request that had to
+    produce one (the last prefill chunk, every decode entry), and what that token completed in
+    the request's text. The scheduler decides from it whether and why each request finishes."""
 
     sampled_token_ids: Mapping[str, int]
+    stop_strings: Mapping[str, str] = field(default_factory=dict)
+    """Requests whose output text now contains one of their stop strings: the one found."""
+    completed_grammars: frozenset[str] = frozenset()
+    """Requests whose structured-output grammar the sampled token completed (or left)."""
 
 
 @dataclass(slots=True)  # not frozen: built for every request at every decode step
@@ -79,6 +84,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int
     """Prompt tokens whose compute was skipped thanks to the prefix cache."""
+    stop_reason: int | str | None = None
+    """With finish reason STOP: the stop token id or the stop string; ``None`` for EOS and a
+    completed grammar."""
 
 
 @dataclass(frozen=True, slots=True)

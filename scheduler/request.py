@@ -48,6 +48,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
+    """0: the prompt is only prefilled (scored); the request ends with its last chunk."""
     chain: BlockHashChain
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_id: int | None = None
@@ -56,6 +57,8 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """With finish reason STOP: the stop token id or stop string (``None``: EOS, grammar)."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Leading tokens whose KV is in the blocks of ``block_table``."""

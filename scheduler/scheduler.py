@@ -70,23 +70,19 @@ class Scheduler:
         cache_salt: str | None = None,
         needs_prompt_logits: bool = False,
     ) -> None:
-        """Queue a request. Raises ValueError if it is malformed or could never run with this
-        configuration (too long, more blocks than the pool has, over the volumetric limit)."""
+        """Queue a request. The caller has checked the request against the model (a non-empty
+        prompt of ids in the vocabulary, ``0 <= max_tokens``, prompt + max_tokens within
+        ``max_model_len``: ``spyre_server.engine.validation``). The scheduler checks what it
+        owns and raises ValueError if the id is in use or the request could never run with
+        this configuration (more blocks than the pool has, over the volumetric limit).
+
+        ``max_tokens`` 0 prefills (scores) the prompt and ends with finish reason LENGTH and
+        no token."""
         cfg = self.config
+        assert prompt_token_ids and max_tokens >= 0, "checked by the caller"
+        assert len(prompt_token_ids) + max_tokens <= cfg.max_model_len, "checked by the caller"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt must contain at least one token")
-        if min(prompt_token_ids) < 0:
-            raise ValueError("token ids must be non-negative")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        num_tokens = len(prompt_token_ids) + max_tokens
-        if num_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_tokens} exceeds max_model_len ({cfg.max_model_len})"
-            )
         extra = ExtraKeys(cache_salt=cache_salt, model_name=self._model_name)
         request = Request(
             request_id=request_id,
@@ -105,8 +101,8 @@ class Scheduler:
         tkv = self._max_decode_tkv(request)
         if tkv > cfg.batch_tkv_limit:
             raise ValueError(
-                f"the request's decode context ({tkv} tokens, padded prompt + max_tokens) exceeds "
-                f"max_batch_tkv_limit ({cfg.batch_tkv_limit}) even alone"
+                f"the request's decode context ({tkv} tokens: prompt + max_tokens - 1 in whole "
+                f"blocks) exceeds max_batch_tkv_limit ({cfg.batch_tkv_limit}) even alone"
             )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -114,15 +110,18 @@ class Scheduler:
     def finish_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
     ) -> RequestOutput | None:
-        """End an unfinished request now (abort, stop string, runner error) and free its blocks.
-        Returns its final output, or ``None`` if no such request is unfinished."""
+        """End an unfinished request from outside the step (ABORT: the client left; ERROR: its
+        step failed) and free its blocks. Every other finish is decided in
+        ``update_from_output``. Returns its final output, or ``None`` if no such request is
+        unfinished."""
+        assert reason in (FinishReason.ABORT, FinishReason.ERROR), reason
         request = self._requests.get(request_id)
         if request is None:
             return None
         if request.status is RequestStatus.WAITING:
             self._waiting.remove(request)
         self._finish(request, reason)
-        return RequestOutput(request_id, (), reason, request.num_cached_tokens or 0)
+        return self._output(request, ())
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -210,12 +209,14 @@ class Scheduler:
         return min(num_hit_blocks * bs, len(request.prompt_token_ids) - 1)
 
     def _max_decode_tkv(self, request: Request) -> int:
-        """Upper bound of the request's tkv at every decode step: its padded prompt plus
-        max_tokens (decode attends over the cached prefix too). Fixed for the request's life,
-        so a request that passed the check in add_request always fits alone, also after a
-        preemption (its real context never exceeds prompt + max_tokens - 1)."""
+        """Upper bound of the request's padded tkv at every decode step of any batch: its block
+        table at its last decode step (prompt + max_tokens - 1 tokens), in whole blocks, since
+        every row of a decode batch is left-padded to the widest table (DESIGN §3; the padded
+        tkv of a row is ``(widest - its width) * B + position + 1 <= widest * B``). Decode
+        attends over the cached prefix too. Fixed for the request's life, so a request that
+        passed the check in add_request always fits alone, also after a preemption."""
         bs = self.config.block_size
-        return cdiv(len(request.prompt_token_ids), bs) * bs + request.max_tokens
+        return cdiv(len(request.prompt_token_ids) + request.max_tokens - 1, bs) * bs
 
     def _schedule_prefill(self, request: Request) -> PrefillChunk:
         cfg = self.config
@@ -266,6 +267,9 @@ class Scheduler:
             max_position = max(max_position, position)
         if not entries:
             return None
+        widest = max(len(e.block_table) for e in entries)
+        padded_tkv = max((widest - len(e.block_table)) * bs + e.position + 1 for e in entries)
+        assert len(entries) * padded_tkv <= self.config.batch_tkv_limit, "admission bounds it"
         self._num_decode_steps += 1
         # Victims of a preemption are always newer than the entries already made.
         return DecodeBatch(tuple(entries), tkv=max_position + 1)
@@ -300,7 +304,7 @@ class Scheduler:
         self, step: ScheduledStep, output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply an executed step: advance num_computed_tokens, cache the blocks whose KV is now
-        complete, append sampled tokens, apply stop conditions, free finished requests."""
+        complete, append sampled tokens, decide which requests finish and why, free them."""
         if isinstance(step, PrefillChunk):
             request = self._requests.get(step.request_id)
             if request is None or request is not self._prefilling:
@@ -310,13 +314,15 @@ class Scheduler:
             if not step.is_last_chunk:
                 return []
             self._prefilling = None
+            if request.max_tokens == 0:  # scoring only: the sampled token is not output
+                self._finish(request, FinishReason.LENGTH)
+                return [self._output(request, ())]
             request.status = RequestStatus.DECODING
             self._decoding.append(request)
-            return [self._append_token(request, output.sampled_token_ids[request.request_id])]
+            return [self._append_token(request, output)]
 
         bs = self.config.block_size
         requests = self._requests
-        sampled = output.sampled_token_ids
         decoding = RequestStatus.DECODING
         outputs = []
         for entry in step.entries:
@@ -326,7 +332,7 @@ class Scheduler:
             request.num_computed_tokens = entry.position + 1
             if request.num_computed_tokens // bs > request.num_registered_blocks:
                 self._register_computed_blocks(request)
-            outputs.append(self._append_token(request, sampled[entry.request_id]))
+            outputs.append(self._append_token(request, output))
         return outputs
 
     def _register_computed_blocks(self, request: Request) -> None:
@@ -357,17 +363,38 @@ class Scheduler:
         request.cached_tail_block_id = parent
         request.num_registered_blocks = limit
 
-    def _append_token(self, request: Request, token_id: int) -> RequestOutput:
+    def _append_token(self, request: Request, output: ModelRunnerOutput) -> RequestOutput:
+        """Append the request's sampled token and decide whether it finishes, first rule first:
+        a stop token (STOP, its id), EOS (STOP), a stop string in the text (STOP, the string),
+        a completed grammar (STOP), max_tokens reached (LENGTH)."""
+        request_id = request.request_id
+        token_id = output.sampled_token_ids[request_id]
         request.append_output(token_id)
-        reason = None
-        if token_id in request.stop_token_ids or token_id == request.eos_token_id:
-            reason = FinishReason.STOP
+        reason: FinishReason | None = FinishReason.STOP
+        if token_id in request.stop_token_ids:
+            request.stop_reason = token_id
+        elif token_id == request.eos_token_id:
+            pass
+        elif (stop_string := output.stop_strings.get(request_id)) is not None:
+            request.stop_reason = stop_string
+        elif request_id in output.completed_grammars:
+            pass
         elif len(request.output_token_ids) >= request.max_tokens:
             reason = FinishReason.LENGTH
+        else:
+            reason = None
         if reason is not None:
             self._finish(request, reason)
+        return self._output(request, (token_id,))
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: tuple[int, ...]) -> RequestOutput:
         return RequestOutput(
-            request.request_id, (token_id,), reason, request.num_cached_tokens or 0
+            request.request_id,
+            new_token_ids,
+            request.finish_reason,
+            request.num_cached_tokens or 0,
+            request.stop_reason,
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

@@ -231,5 +231,6 @@ def test_config_accepts_edge_values() -> None:
 
 def test_batch_tkv_limit_default() -> None:
     assert SchedulerConfig().batch_tkv_limit == 2048 * 8  # max_model_len * max_num_seqs
-    assert SchedulerConfig(max_model_len=1000, max_num_seqs=3).batch_tkv_limit == 3000
+    # 1000 tokens need 16 blocks: a full batch of them pads to 16 * 64 = 1024 each
+    assert SchedulerConfig(max_model_len=1000, max_num_seqs=3).batch_tkv_limit == 3 * 1024
     assert SchedulerConfig(max_batch_tkv_limit=500).batch_tkv_limit == 500

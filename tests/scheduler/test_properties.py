@@ -124,8 +124,9 @@ class Spec:
 
     @property
     def max_decode_tkv(self) -> int:
-        """DESIGN §3: the full padded prompt plus max_tokens."""
-        return cdiv(len(self.prompt), BS) * BS + self.max_tokens
+        """The widest block table of its decode steps (prompt + max_tokens - 1 tokens) in whole
+        blocks: rows of a decode batch are left-padded to the widest table."""
+        return cdiv(len(self.prompt) + self.max_tokens - 1, BS) * BS
 
 
 @dataclass(frozen=True)
@@ -501,8 +502,10 @@ class Run:
         assert sorted(ids) == sorted(self.decoding), f"decode batch {ids}, decoding {self.decoding}"
         assert 0 < len(ids) <= cfg.max_num_seqs
         assert step.tkv == max(e.position for e in step.entries) + 1
-        assert len(ids) * step.tkv <= cfg.batch_tkv_limit, (
-            f"decode batch {len(ids)} x tkv {step.tkv} > {cfg.batch_tkv_limit}"
+        widest = max(len(e.block_table) for e in step.entries)
+        padded_tkv = max((widest - len(e.block_table)) * BS + e.position + 1 for e in step.entries)
+        assert len(ids) * padded_tkv <= cfg.batch_tkv_limit, (
+            f"decode batch {len(ids)} x padded tkv {padded_tkv} > {cfg.batch_tkv_limit}"
         )
         sampled = {}
         for entry in step.entries:

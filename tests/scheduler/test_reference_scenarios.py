@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import FinishReason, PrefillCompute, RequestStatus, SchedulerStats
+from scheduler import (
+    FinishReason,
+    ModelRunnerOutput,
+    PrefillCompute,
+    RequestOutput,
+    RequestStatus,
+    Scheduler,
+    SchedulerStats,
+)
 from tests.scheduler.fake_runner import (
     Driver,
     FakeRunner,
@@ -456,11 +464,12 @@ def test_scenario_10_chunk_192_hit_with_no_usable_block() -> None:
 @pytest.mark.parametrize(
     ("limit", "admitted_early"),
     [
-        # r2 (192-token prompt, 64 cached, max_tokens 4) next to r1 (64 + 20):
-        # full check 2 * max(192 + 4, 64 + 20) = 392; uncached-only would be 2 * (128 + 4) = 264
-        (300, False),  # 264 <= 300 < 392: blocked only if the full padded prompt is used
-        (391, False),
-        (392, True),
+        # r2 (192-token prompt, 64 cached, max_tokens 4) next to r1 (64 + 20): the widest tables,
+        # in whole blocks, 192 + 4 - 1 -> 256 and 64 + 20 - 1 -> 128: full check 2 * 256 = 512;
+        # uncached-only would be 2 * (128 + 4 - 1 -> 192) = 384
+        (400, False),  # 384 <= 400 < 512: blocked only if the full prompt is used
+        (511, False),
+        (512, True),
     ],
 )
 def test_scenario_11_hit_making_first_chunk_last_still_obeys_tkv_limit(
@@ -762,6 +771,62 @@ def test_length_finish() -> None:
     assert free_queue(d.sched) == r(1, 16)
 
 
+def run_reporting(
+    sched: Scheduler,
+    runner: FakeRunner,
+    stop_strings: dict[str, str] | None = None,
+    completed_grammars: frozenset[str] = frozenset(),
+) -> list[RequestOutput]:
+    """One step, reporting text stops for the sampled tokens as the engine would."""
+    step = sched.schedule()
+    assert step is not None
+    sampled = runner.execute(step).sampled_token_ids
+    report = ModelRunnerOutput(sampled, stop_strings or {}, completed_grammars)
+    return sched.update_from_output(step, report)
+
+
+def test_text_stops_reported_by_the_engine_finish_in_the_scheduler() -> None:
+    """Rules, first first: stop token, EOS, stop string, completed grammar, max_tokens."""
+    runner = FakeRunner(lambda context: 7 if context[0] == 3000 else 500 + len(context))
+    sched = make_scheduler(chunk_size=64, num_blocks=32, interleave=False)
+    sched.add_request("string", toks(10, 1000), 5)
+    sched.add_request("grammar", toks(10, 2000), 5)
+    sched.add_request("token", toks(10, 3000), 5, stop_token_ids=[7])  # samples 7 only
+    sched.add_request("length", toks(10, 4000), 2)
+    for _ in range(4):  # the four prefills, one token each
+        assert [o.finish_reason for o in run_reporting(sched, runner)] in ([None], [STOP])
+    assert sched.get_request("token") is None  # its first token was its stop token
+    outputs = run_reporting(
+        sched,
+        runner,
+        stop_strings={"string": "END", "token": "x", "length": "!"},
+        completed_grammars=frozenset({"grammar", "length"}),
+    )
+    finished = {o.request_id: (o.finish_reason, o.stop_reason) for o in outputs}
+    assert finished == {"string": (STOP, "END"), "grammar": (STOP, None), "length": (STOP, "!")}
+    assert not sched.has_unfinished_requests
+    sched.check_integrity()
+
+
+def test_stop_token_beats_a_stop_string_in_the_same_token() -> None:
+    sched = make_scheduler(chunk_size=64, num_blocks=16)
+    sched.add_request("a", toks(10, 1000), 5, stop_token_ids=[7])
+    outputs = run_reporting(sched, FakeRunner(lambda context: 7), stop_strings={"a": "s"})
+    assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in outputs] == [((7,), STOP, 7)]
+
+
+def test_max_tokens_zero_scores_the_prompt_and_ends_without_a_token() -> None:
+    d = Driver(make_scheduler(chunk_size=64, num_blocks=16))
+    d.add("a", toks(130, 1000), 0)
+    assert d.run() == ["a:0", "a:1", "a:2"]
+    outputs = [(o.new_token_ids, o.finish_reason) for s in d.trace for o in s.outputs]
+    assert outputs == [((), LENGTH)]
+    assert d.tokens.get("a", []) == []
+    assert hashed(d.sched, 1, 2, 3) == [True, True, False]  # its full blocks serve others
+    assert free_queue(d.sched) == (3, *r(4, 16), 2, 1)
+    assert counters(d) == (130, 0, 3, 0, 0, 0)
+
+
 def test_max_tokens_one_finishes_in_prefill() -> None:
     d = Driver(make_scheduler(chunk_size=64, num_blocks=16))
     d.add("a", toks(64, 1000), 1)
@@ -835,19 +900,13 @@ def test_equal_decode_blocks_first_registration_wins() -> None:
 @pytest.mark.parametrize(
     ("prompt", "max_tokens", "config", "message"),
     [
-        ([], 5, {}, "at least one token"),
-        ([1, -1, 2], 5, {}, "non-negative"),
-        ([1, 2], 0, {}, "max_tokens"),
-        ([1, 2], -3, {}, "max_tokens"),
-        # 500 + 13 = 513 > 512
-        (toks(500, 1000), 13, {"max_model_len": 512}, "max_model_len"),
         # ceil((200 + 100) / 64) = 5 blocks > 4 usable
         (toks(200, 1000), 100, {"num_blocks": 5}, "KV blocks"),
-        # padded 192 + 9 = 201 > 200 (the check uses the padded prompt, not 150 + 9 = 159)
-        (toks(150, 1000), 9, {"max_batch_tkv_limit": 200}, "max_batch_tkv_limit"),
+        # 150 + 9 - 1 = 158 tokens in whole blocks = 192 > 191 (rows pad to the widest table)
+        (toks(150, 1000), 9, {"max_batch_tkv_limit": 191}, "max_batch_tkv_limit"),
     ],
 )
-def test_add_request_rejects(
+def test_add_request_rejects_what_the_scheduler_owns(
     prompt: list[int], max_tokens: int, config: dict[str, int], message: str
 ) -> None:
     sched = make_scheduler(**config)
@@ -860,8 +919,8 @@ def test_add_request_rejects(
 def test_add_request_accepts_exact_limits() -> None:
     sched = make_scheduler(max_model_len=512, num_blocks=9)
     sched.add_request("len", toks(500, 1000), 12)  # 512 = max_model_len, 8 blocks = 8 usable
-    sched2 = make_scheduler(max_batch_tkv_limit=201)
-    sched2.add_request("tkv", toks(150, 1000), 9)  # padded 192 + 9 = 201
+    sched2 = make_scheduler(max_batch_tkv_limit=192)
+    sched2.add_request("tkv", toks(150, 1000), 9)  # 158 tokens in whole blocks = 192
     assert sched.has_unfinished_requests and sched2.has_unfinished_requests
 
 
@@ -1086,11 +1145,11 @@ def test_preemption_prefers_the_request_in_prefill() -> None:
 
 
 def test_preempted_request_can_run_alone_again() -> None:
-    # add_request accepts r: padded 64 + max_tokens 100 = 164 <= 164, the limit. Preempted after
-    # its first output, r's prefill becomes 65 tokens and the admission bound
-    # padded(65) + 99 = 128 + 99 = 227 > 164, although its context never exceeds 64 + 100 - 1 = 163
-    # tokens. Alone with every block free again, r must still run to completion.
-    d = Driver(make_scheduler(chunk_size=64, num_blocks=8, max_batch_tkv_limit=164))
+    # add_request accepts r: 64 + 100 - 1 = 163 tokens in whole blocks = 192 <= 192, the limit.
+    # Preempted after its first output, r's prefill becomes 65 tokens; the bound stays the one
+    # of its prompt and max_tokens (a bound from the 65-token prefill plus the 99 tokens left
+    # would be 128 + 99 = 227). Alone with every block free again, r must still run to completion.
+    d = Driver(make_scheduler(chunk_size=64, num_blocks=8, max_batch_tkv_limit=192))
     d.add("r", toks(64, 2000), 100)
     sched = d.sched
     assert d.step().label == "r:0"
