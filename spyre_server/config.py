@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from spyre_server.chat_template import load_chat_template
+from spyre_server.api.chat_template import load_chat_template
 
 ENV_PREFIX = "SPYRE_SERVER_"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -57,6 +57,9 @@ class ModelSection(_Section):
     cache_dir: Path | None = None
     kernel_dir: Path | None = None
     chat_template: str | None = None
+    allow_unverified_config: bool = False
+    graph_cache_dir: Path | None = None
+    require_precompiled: bool = False
 
     @field_validator("chat_template")
     @classmethod

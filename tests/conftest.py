@@ -52,7 +52,7 @@ needs_default_model_package = _needs_default_model_package()
 
 
 def _native_kernels_marker() -> pytest.MarkDecorator:
-    from spyre_server.model.native_kernels import unsupported_cpu_reason
+    from spyre_server.model.cpu.kernels.library import unsupported_cpu_reason
 
     reason = unsupported_cpu_reason()
     return pytest.mark.skipif(reason is not None, reason=f"native kernels cannot run: {reason}")
@@ -63,7 +63,7 @@ needs_native_kernels = _native_kernels_marker()
 
 
 def _amx_marker() -> pytest.MarkDecorator:
-    from spyre_server.model.native_kernels import amx_unsupported_reason
+    from spyre_server.model.cpu.kernels.library import amx_unsupported_reason
 
     reason = amx_unsupported_reason()
     return pytest.mark.skipif(reason is not None, reason=f"the AMX kernel cannot run: {reason}")
@@ -74,7 +74,7 @@ needs_amx = _amx_marker()
 
 
 def _avx512_bf16_marker() -> pytest.MarkDecorator:
-    from spyre_server.model.native_kernels import avx512_bf16_unsupported_reason
+    from spyre_server.model.cpu.kernels.library import avx512_bf16_unsupported_reason
 
     reason = avx512_bf16_unsupported_reason()
     return pytest.mark.skipif(
@@ -85,6 +85,24 @@ def _avx512_bf16_marker() -> pytest.MarkDecorator:
 needs_avx512_bf16 = _avx512_bf16_marker()
 """Marks a test that runs the AVX512-BF16 attention kernel (Intel since Cooper Lake, AMD since
 Zen 4; not the AVX2-only EPYC)."""
+
+
+def _onednn_bf16_marker() -> pytest.MarkDecorator:
+    import torch
+
+    from spyre_server.model.cpu.errors import LinearKernelError
+    from spyre_server.model.cpu.ops.packed_linear import check_onednn
+
+    try:
+        check_onednn(torch.bfloat16)
+    except LinearKernelError as exc:
+        return pytest.mark.skipif(True, reason=str(exc))
+    return pytest.mark.skipif(False, reason="oneDNN runs bfloat16 here")
+
+
+needs_onednn_bf16 = _onednn_bf16_marker()
+"""Marks a test that runs model.linear_kernel onednn in bfloat16 (oneDNN's bfloat16 path needs
+AVX512BW/VL/DQ or AVX-NE-CONVERT: not the AVX2-only EPYC)."""
 
 
 def build_tiny_llama() -> torch.nn.Module:

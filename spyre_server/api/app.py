@@ -34,7 +34,7 @@ MAX_BODY_BYTES = 4 * 2**20
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        scheduler = state.engine.engine.scheduler
+        scheduler = state.engine.core.scheduler
         kv_events = start_kv_events(state.config.kv_events, scheduler, state.model_name)
         state.engine.start()
         try:
@@ -79,5 +79,5 @@ def create_app(state: ServerState) -> FastAPI:
     register_tokenize_routes(app, state, authorize)
     register_render_routes(app, state, authorize)
     register_server_info_routes(app, state)
-    state.metrics.add_cache_config_info(state.engine.engine.scheduler.config)
+    state.metrics.add_cache_config_info(state.engine.core.scheduler.config)
     return app

@@ -24,7 +24,7 @@ from spyre_server.api.serving import (
     start_generation,
 )
 from spyre_server.api.state import ServerState
-from spyre_server.sampling import TokenLogprobs
+from spyre_server.sample.sampler import TokenLogprobs
 
 router = APIRouter()
 

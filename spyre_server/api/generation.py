@@ -8,84 +8,60 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from spyre_server.api.errors import APIError
 from spyre_server.api.metrics import ServerMetrics
-from spyre_server.async_engine import AsyncEngine, EngineDeadError
-from spyre_server.engine import RequestDelta
-from spyre_server.sampling import SamplingParams, TokenLogprobs
+from spyre_server.engine import validation
+from spyre_server.engine.async_engine import AsyncEngine, EngineDeadError
+from spyre_server.engine.core import RequestDelta, RequestResult
+from spyre_server.engine.validation import InvalidRequest, RequestLimits
+from spyre_server.sample.sampler import SamplingParams
 
 
-@dataclass(slots=True)
-class Choice:
+@dataclass(slots=True, kw_only=True)
+class Choice(RequestResult):
     """One sample of one prompt, accumulated from its deltas."""
 
     index: int
     prompt_index: int
     prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    """What stopped it with ``finish_reason`` "stop": the stop token id or stop string (None: EOS)."""
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationLimits:
-    max_model_len: int
-    vocab_size: int
+    request: RequestLimits
     default_max_tokens: int
     max_waiting: int
 
+    @property
+    def max_model_len(self) -> int:
+        return self.request.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.request.vocab_size
+
 
 def check_prompt(token_ids: Sequence[int], limits: GenerationLimits, param: str) -> None:
-    if not token_ids:
-        raise APIError(400, "the prompt must contain at least one token", param=param)
-    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise APIError(
-            400,
-            f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})",
-            param=param,
-        )
-    if len(token_ids) >= limits.max_model_len:
-        raise context_length_error(limits, len(token_ids), None, param)
-
-
-def context_length_error(
-    limits: GenerationLimits, num_prompt_tokens: int, max_tokens: int | None, param: str
-) -> APIError:
-    """OpenAI's wording and code, which client libraries match to detect an overflow."""
-    if max_tokens is None:
-        requested = f"{num_prompt_tokens} tokens in the prompt, which leaves no room for output"
-    else:
-        requested = (
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} in the completion)"
-        )
-    return APIError(
-        400,
-        f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
-        f"requested {requested}. Please reduce the length of the prompt or the completion.",
-        param=param,
-        code="context_length_exceeded",
-    )
+    """``validation.check_prompt``, refused as HTTP 400 naming ``param``."""
+    try:
+        validation.check_prompt(token_ids, limits.request)
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), param=param, code=exc.code) from None
 
 
 def resolve_max_tokens(
     requested: int | None, num_prompt_tokens: int, limits: GenerationLimits
 ) -> int:
-    room = limits.max_model_len - num_prompt_tokens
-    if requested is None:
-        return min(limits.default_max_tokens, room)
-    if requested > room:
-        raise context_length_error(limits, num_prompt_tokens, requested, "max_tokens")
-    return requested
+    """``validation.resolve_max_tokens`` with the server's default, refused as HTTP 400."""
+    try:
+        return validation.resolve_max_tokens(
+            requested, num_prompt_tokens, limits.request, limits.default_max_tokens
+        )
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), param="max_tokens", code=exc.code) from None
 
 
 def _sample_params(params: SamplingParams, sample_index: int) -> SamplingParams:
@@ -201,18 +177,10 @@ class Generation:
                         metrics.itl.observe((now - last) / len(delta.token_ids))
                     last = now
                     metrics.generation_tokens.inc(len(delta.token_ids))
-                choice.text += delta.text
-                choice.token_ids += delta.token_ids
-                choice.logprobs += delta.logprobs
-                choice.num_cached_tokens = delta.num_cached_tokens
-                if delta.prompt_logprobs is not None:
-                    choice.prompt_logprobs = delta.prompt_logprobs
+                choice.apply(delta)
                 if delta.finished:
                     if delta.error is not None:
                         raise APIError(500, delta.error, code="engine_error")
-                    assert delta.finish_reason is not None
-                    choice.finish_reason = str(delta.finish_reason)
-                    choice.stop_reason = delta.stop_reason
                     metrics.e2e.observe(now - arrival)
                     if choice.index % self._n == 0:  # a prompt counts once, whatever n is
                         metrics.prompt_tokens.inc(len(choice.prompt_token_ids))

@@ -6,7 +6,7 @@ from typing import Any
 
 from spyre_server.api.state import ServerState
 from spyre_server.api.token_bytes import token_bytes
-from spyre_server.sampling import TokenLogprobs
+from spyre_server.sample.sampler import TokenLogprobs
 
 
 def token_text(state: ServerState, token_id: int) -> str:

@@ -98,13 +98,22 @@ class _ProgramCollector(Collector):
         stats = self._read_stats()
         warmed = GaugeMetricFamily(
             "spyre:warmed_programs",
-            "Program shapes compiled and warmed up at start (0: a backend without programs).",
+            "Programs (graphs) compiled at start: one dynamic prefill and one dynamic decode "
+            "graph (0: a backend without programs).",
             labels=["model_name"],
         )
-        warmed.add_metric([self._model_name], len(stats.warmed) if stats else 0)
+        warmed.add_metric([self._model_name], sum(stats.graphs.values()) if stats else 0)
         yield warmed
         if stats is None:
             return
+        late = CounterMetricFamily(
+            "spyre:programs_compiled_after_warmup",
+            "Graphs compiled after start: steps the warmed-up programs did not serve (0 when "
+            "all is well; a card would compile a program it has not validated).",
+            labels=["model_name"],
+        )
+        late.add_metric([self._model_name], stats.graphs_after_warmup)
+        yield late
         steps = CounterMetricFamily(
             "spyre:program_steps",
             "Engine steps run per program shape, by kind (prefill or decode).",

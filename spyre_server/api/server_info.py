@@ -32,7 +32,7 @@ def register_server_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         config = state.config
-        scheduler = state.engine.engine.scheduler.config
+        scheduler = state.engine.core.scheduler.config
         kv_events = config.kv_events
         return {
             "version": server_version(),

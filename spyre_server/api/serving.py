@@ -16,8 +16,8 @@ from spyre_server.api.errors import APIError, sse_error
 from spyre_server.api.generation import Generation, make_params, resolve_max_tokens
 from spyre_server.api.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_server.api.state import ServerState
-from spyre_server.sampling import SamplingParams
-from spyre_server.structured_output import Grammar, StructuredOutputError
+from spyre_server.sample.sampler import SamplingParams
+from spyre_server.sample.structured_output import Grammar, StructuredOutputError
 
 _DISCONNECT_POLL_SECONDS = 0.5
 

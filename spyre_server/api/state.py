@@ -9,9 +9,9 @@ from spyre_server.api.auth import APIKeys
 from spyre_server.api.generation import GenerationLimits
 from spyre_server.api.generation_defaults import GenerationDefaults
 from spyre_server.api.metrics import ServerMetrics
-from spyre_server.async_engine import AsyncEngine
 from spyre_server.config import Config
-from spyre_server.structured_output import GrammarCompiler
+from spyre_server.engine.async_engine import AsyncEngine
+from spyre_server.sample.structured_output import GrammarCompiler
 
 
 @dataclass(slots=True)

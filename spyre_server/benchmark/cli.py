@@ -1,6 +1,6 @@
 """The ``spyre-server bench`` subcommand: its options (``add_parser``) and ``run``.
 
-This module is imported by ``spyre_server.cli`` for every command, so it only builds the argument
+This module is imported by ``spyre_server.entrypoints.cli`` for every command, so it only builds the argument
 parser at import time; ``run`` imports the rest (httpx, tqdm, transformers) when it runs.
 """
 

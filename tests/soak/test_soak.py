@@ -150,7 +150,7 @@ def test_soak_micro(
     monkeypatch: pytest.MonkeyPatch,
     record_property: Any,
 ) -> None:
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     server = start_server(build_app(micro_config(), micro_loaded(tiny_llama)))
     try:
@@ -204,7 +204,7 @@ def test_soak_full_smollm2(
             "--soak-full: .venv/bin/python -m pytest tests/soak --soak-full -s"
         )
     from spyre_server.config import load_config
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     loaded = request.getfixturevalue("smollm2_fp32")
     config = load_config(

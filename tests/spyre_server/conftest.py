@@ -62,7 +62,7 @@ def make_engine(micro_model: Any) -> Iterator[Callable[..., Any]]:
     import torch
 
     from spyre_server.config import load_config
-    from spyre_server.engine_factory import build_engine
+    from spyre_server.engine.factory import build_engine
     from spyre_server.model.loading import LoadedModel
 
     def make(eos_token_id: int | None = None, tokenizer: Any = None, **overrides: Any) -> Any:
@@ -97,14 +97,15 @@ def assert_pool_clean(engine: Any) -> None:
 
 
 @pytest.fixture
-def avx512_kernels() -> Iterator[Any]:
-    """The native kernels, whose float32 code the test may switch between AVX2 and 512 bits
-    (``kernels.avx512(0 | 1)``; back to 512 after); skips on CPUs without AVX512F, where there
-    is no second code path to compare."""
-    from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
+def both_widths() -> tuple[Any, Any]:
+    """The native kernels twice, one library: their float32 code on AVX2 and 512 bits wide
+    (``load_native_kernels(..., avx512=False | True)``); skips on CPUs without AVX512F, where
+    there is no second code path to compare."""
+    from spyre_server.model.cpu.kernels.library import default_kernel_dir, load_native_kernels
 
-    kernels = load_native_kernels(default_kernel_dir())
-    if kernels.avx512(1) != 1:
+    avx2 = load_native_kernels(default_kernel_dir(), avx512=False)
+    avx512 = load_native_kernels(default_kernel_dir(), avx512=True)
+    if not avx512.avx512:
         pytest.skip("this CPU lacks avx512f: the kernels have only their AVX2 code here")
-    yield kernels
-    kernels.avx512(1)
+    assert not avx2.avx512
+    return avx2, avx512

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from spyre_server.config import Config, ConfigError, load_config, parse_bytes
-from spyre_server.engine_factory import build_engine
+from spyre_server.engine.factory import build_engine
 from spyre_server.model import loading
 from spyre_server.model.loading import LoadedModel, ModelLoadError, num_kv_blocks
 from spyre_server.model.runner import kv_cache_shape
@@ -342,7 +342,8 @@ def test_build_engine_sizes_pool_and_kv_tensors(micro_model: Any) -> None:
     for keys, values in engine.runner.kv_caches:
         assert keys.shape == values.shape == (10, 64, 2, 48)
         assert keys.dtype == torch.float32
-    assert engine.vocab_size == 256
+    assert engine.limits.vocab_size == 256
+    assert engine.model_name == "tiny"
 
 
 def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -501,7 +502,7 @@ def test_log_level_is_case_insensitive(tmp_path: Path, value: str) -> None:
 
 
 def test_chat_template_file_or_inline(tmp_path: Path) -> None:
-    from spyre_server.chat_template import load_chat_template
+    from spyre_server.api.chat_template import load_chat_template
 
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     path = tmp_path / "chat.jinja"

@@ -53,7 +53,7 @@ def one_torch_thread() -> Iterator[None]:
 def make_server(http_micro_model: Any, one_torch_thread: None) -> Iterator[MakeServer]:
     """``make_server(eos_token_id=None, api_key=None, **config_overrides)`` -> a fresh running
     server on the micro model (``api_key`` is what its clients send); stopped at teardown."""
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     servers: list[Server] = []
 
@@ -72,7 +72,7 @@ def make_server(http_micro_model: Any, one_torch_thread: None) -> Iterator[MakeS
 
 @pytest.fixture(scope="module")
 def micro_server(http_micro_model: Any, one_torch_thread: None) -> Iterator[Server]:
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     server = start_server(build_app(micro_config(), micro_loaded(http_micro_model)))
     yield server
@@ -113,7 +113,7 @@ def smollm2_server(smollm2_loaded: Any) -> Iterator[Server]:
     import torch
 
     from spyre_server.config import load_config
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     config = load_config(
         environ={},

@@ -1,5 +1,5 @@
 """Helpers of the HTTP tests: a real uvicorn server in a background thread around
-``spyre_server.serve.build_app``, a byte-level test tokenizer for the tiny random llama, /metrics
+``spyre_server.entrypoints.serve.build_app``, a byte-level test tokenizer for the tiny random llama, /metrics
 parsing, SSE reading, and an independent greedy reference (a plain full forward pass of the model,
 no KV cache, fms's default attention).
 """
@@ -180,7 +180,7 @@ class Server:
     @property
     def engine(self) -> Any:
         """The LLMEngine (scheduler, runner)."""
-        return self.state.engine.engine
+        return self.state.engine.core
 
     def openai(self, api_key: str | None = None) -> Any:
         """An ``openai.OpenAI`` client of this server (one per key: creating one costs ~50 ms)."""

@@ -333,6 +333,8 @@ def test_min_tokens_and_stop_reason(make_server: Any) -> None:
         extra_body={"stop_token_ids": [65]},
     )
     assert by_token.choices[0].model_extra["stop_reason"] == 65
+    assert by_token.choices[0].text == ""  # the stop token's text is not output
+    assert by_token.usage.completion_tokens == 1
     by_string = client.chat.completions.create(
         model=MODEL_NAME,
         messages=MESSAGES,
@@ -459,7 +461,7 @@ def test_bad_response_format_is_400(server: Server, response_format: Any) -> Non
 
 
 def test_grammar_mask_allows_exactly_the_grammars_next_tokens() -> None:
-    from spyre_server.structured_output import GrammarCompiler, apply_grammars
+    from spyre_server.sample.structured_output import GrammarCompiler, apply_grammars
 
     grammars = GrammarCompiler(TOK, 256)
     grammar = grammars.compile({"type": "json_object"})
@@ -482,7 +484,7 @@ def test_the_models_generation_config_sets_the_defaults(
     temperature out are greedy; a request's own temperature still wins."""
     import dataclasses
 
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
     from tests.spyre_server.http.helpers import micro_config, micro_loaded, reference_greedy
 
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 0}')

@@ -441,7 +441,7 @@ def test_max_waiting_one_serves_an_idle_server(make_server: MakeServer) -> None:
     assert response.status_code == 200, response.text
 
 
-# ------------------------------------------------------------------- hostile input (issue 7)
+# ------------------------------------------------------------------- hostile input
 def assert_still_serves(server: Server) -> None:
     """A follow-up request on a fresh connection succeeds."""
     with httpx.Client(base_url=server.url, timeout=30) as client:

@@ -103,7 +103,7 @@ def test_long_shared_system_prompt_is_cached(smollm2_server: Server, smollm2_loa
 def test_a_chat_template_override_reaches_the_hf_tokenizer(smollm2_loaded: Any) -> None:
     """model.chat_template goes to the real tokenizer's apply_chat_template."""
     from spyre_server.config import load_config
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
     config = load_config(

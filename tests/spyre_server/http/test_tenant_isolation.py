@@ -1,4 +1,4 @@
-"""Tenant isolation of the prefix cache, seen through the real server (issue 7):
+"""Tenant isolation of the prefix cache, seen through the real server:
 
 - forced hash collisions (every block hash equal) cost misses, never a wrong hit or a wrong
   answer;

@@ -76,7 +76,7 @@ def run(base_url: str) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def replicas(http_micro_model: Any, one_torch_thread: None) -> Iterator[list[tuple[Server, str]]]:
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     started: list[tuple[Server, str]] = []
     try:

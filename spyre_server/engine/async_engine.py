@@ -10,8 +10,11 @@ hold more threads than there are CPUs it lets an idle worker spin only ~100 iter
 sleeps, so every op of a step then waits for sleeping workers to wake (OMP_WAIT_POLICY=ACTIVE is
 worse: the other pool's idle worker spins forever on a core of its own). The server therefore
 loads the model on one torch thread and the step thread sets the compute threads when it starts
-(``num_threads``): SmolLM2 on 2 cores, 1,600-token prefill 4.1-4.4 s instead of 5.1-5.3 s when the
-loading thread had run a 2-thread pool too (bench/bench_threads.py, "second pool").
+(``num_threads``); bench/bench_threads.py measures the difference ("second pool").
+
+Request ids: the scheduler refuses an id that an unfinished request holds; the async engine also
+refuses one whose output stream is still open (a finished request's client may still be reading
+it), so two requests never share a stream.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from scheduler import FinishReason
-from spyre_server.engine import LLMEngine, RequestDelta
-from spyre_server.sampling import SamplingParams
+from spyre_server.engine.core import LLMEngine, RequestDelta
+from spyre_server.sample.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, num_threads: int | None = None) -> None:
         """``num_threads``: torch threads the step thread sets when it starts (``None``: leave
         torch's setting as it is)."""
-        self.engine = engine
+        self.core = engine
+        """The synchronous engine it drives (touched only on the step thread)."""
         self._num_threads = num_threads
         self._commands: deque[_Add | _Abort | _Call] = deque()
         self._wakeup = threading.Event()
@@ -103,7 +107,7 @@ class AsyncEngine:
         """Requests not yet admitted: queued in the scheduler or still on their way to it.
         Read from other threads: an estimate for admission control, not an exact count."""
         pending = sum(1 for c in list(self._commands) if isinstance(c, _Add))
-        return self.engine.scheduler.num_waiting + pending
+        return self.core.scheduler.num_waiting + pending
 
     # ---------------------------------------------------------------- requests
     async def add_request(
@@ -184,11 +188,11 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._apply_commands()
-                if not self.engine.has_unfinished_requests:
+                if not self.core.has_unfinished_requests:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                self._publish(self.engine.step())
+                self._publish(self.core.step())
         except BaseException as exc:  # a bug: report it on /health and to every waiting client
             logger.exception("engine step loop died")
             self.error = exc
@@ -208,7 +212,7 @@ class AsyncEngine:
                 continue  # the caller gave up (cancelled) before the step thread got to it
             if isinstance(command, _Add):
                 try:
-                    self.engine.add_request(
+                    self.core.add_request(
                         command.request_id,
                         command.prompt_token_ids,
                         command.params,
@@ -219,10 +223,10 @@ class AsyncEngine:
                 else:
                     command.done.set_result(None)
             elif isinstance(command, _Abort):
-                self.engine.abort_request(command.request_id)
+                self.core.abort_request(command.request_id)
             else:
                 try:
-                    command.done.set_result(command.fn(self.engine))
+                    command.done.set_result(command.fn(self.core))
                 except Exception as exc:
                     command.done.set_exception(exc)
 
@@ -244,7 +248,7 @@ class AsyncEngine:
         deltas = []
         for request_id in list(self._queues):
             try:
-                delta = self.engine.abort_request(request_id)
+                delta = self.core.abort_request(request_id)
             except Exception:  # the engine may be what broke; the client still gets its answer
                 delta = None
             deltas.append(

@@ -1,4 +1,4 @@
-"""Container health check: ``python -m spyre_server.healthcheck`` exits 0 when the server running
+"""Container health check: ``python -m spyre_server.entrypoints.healthcheck`` exits 0 when the server running
 beside it answers ``GET /health`` with 200, and 1 otherwise (the Dockerfile's HEALTHCHECK).
 
 It asks the kernel where the server listens instead of reading the configuration: the TCP sockets
@@ -36,9 +36,9 @@ class Address:
 
 
 def is_server_command(argv: list[str]) -> bool:
-    """Whether ``argv`` (a /proc cmdline) is ``spyre-server serve`` or ``-m spyre_server.cli serve``."""
+    """Whether ``argv`` (a /proc cmdline) is ``spyre-server serve`` or ``-m spyre_server.entrypoints.cli serve``."""
     for i, arg in enumerate(argv):
-        if os.path.basename(arg) == "spyre-server" or arg == "spyre_server.cli":
+        if os.path.basename(arg) == "spyre-server" or arg == "spyre_server.entrypoints.cli":
             return "serve" in argv[i + 1 :]
     return False
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,15 @@ from scheduler import (
     ScheduledStep,
     Scheduler,
 )
-from spyre_server.detokenizer import IncrementalDetokenizer, Tokenizer
+from spyre_server.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from spyre_server.engine.validation import RequestLimits
 from spyre_server.model.runner import ModelRunner
-from spyre_server.sampling import SamplingParams, SequenceSampling, TokenLogprobs, prompt_logprobs
+from spyre_server.sample.sampler import (
+    SamplingParams,
+    SequenceSampling,
+    TokenLogprobs,
+    prompt_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,34 @@ class RequestDelta:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True, kw_only=True)
+class RequestResult:
+    """A request's output so far, folded from its deltas by ``apply``."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """With finish reason STOP: the stop token id or stop string (``None``: EOS, grammar)."""
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token (``None`` first)."""
+    error: str | None = None
+
+    def apply(self, delta: RequestDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+            self.error = delta.error
+
+
 @dataclass(slots=True)
 class _RequestState:
     params: SamplingParams
@@ -59,6 +93,17 @@ class _RequestState:
     sampling: SequenceSampling
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """Collected chunk by chunk; handed out with the first delta."""
+
+    def advance_grammar(self, token_id: int) -> bool:
+        """Feed a sampled token to the request's grammar; True once it is complete (or, which
+        the token mask prevents, broken)."""
+        grammar = self.sampling.grammar
+        if grammar is None:
+            return False
+        if not grammar.accept(token_id):
+            logger.warning("token %d is outside the request's grammar; stopping", token_id)
+            return True
+        return bool(grammar.is_terminated)
 
     def add_prompt_rows(self, first_position: int, rows: torch.Tensor) -> None:
         """Score the prompt tokens that follow the positions of ``rows`` (log-softmax rows from
@@ -84,12 +129,16 @@ class LLMEngine:
         *,
         eos_token_id: int | None,
         vocab_size: int,
+        model_name: str,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
-        self.vocab_size = vocab_size
+        self.model_name = model_name
+        """The name clients use for the model (``model.served_model_name``, else the folder's)."""
+        self.limits = RequestLimits(scheduler.config.max_model_len, vocab_size)
+        """What callers check a request against before ``add_request`` (validation.py)."""
         self._states: dict[str, _RequestState] = {}
         self._sampling: dict[str, SequenceSampling] = {}
         """What the runner's sampler needs of each request."""
@@ -103,12 +152,10 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; raises ValueError for input the model or the limits cannot take."""
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
-            )
+        """Queue a request checked against ``self.limits`` (``validation.check_prompt`` and
+        ``check_max_tokens``). Raises ValueError for what only the engine can answer: an id in
+        use, a request the KV cache or the batch limit can never hold, prompt logprobs on a
+        backend without them."""
         if params.prompt_logprobs is not None and not self.runner.supports_prompt_logits:
             raise ValueError(
                 "prompt logprobs (echo with logprobs) are not available on the spyre backend: "
@@ -118,15 +165,19 @@ class LLMEngine:
         self.scheduler.add_request(
             request_id,
             prompt_token_ids,
-            # max_tokens 0 (score the prompt only): the one sampled token is dropped (as vLLM)
-            max(params.max_tokens, 1),
+            params.max_tokens,
             stop_token_ids=params.stop_token_ids,
             eos_token_id=eos_token_id,
             cache_salt=cache_salt,
             needs_prompt_logits=params.prompt_logprobs is not None,
         )
+        request = self.scheduler.get_request(request_id)
+        assert request is not None
         stop_ids = (*params.stop_token_ids, *(() if eos_token_id is None else (eos_token_id,)))
-        sampling = SequenceSampling(params, tuple(prompt_token_ids), [], stop_ids)
+        # The sampler reads the scheduler's own list of output tokens (penalties, min_tokens).
+        sampling = SequenceSampling(
+            params, tuple(prompt_token_ids), request.output_token_ids, stop_ids
+        )
         if params.grammar is not None:
             sampling.grammar = params.grammar.matcher(
                 () if eos_token_id is None else (eos_token_id,)
@@ -152,7 +203,9 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestDelta]:
-        """Run one scheduler step; returns what it produced, per request."""
+        """Run one scheduler step; returns what it produced, per request. The scheduler decides
+        which requests finish and why, from the sampled tokens and what they completed in the
+        text (stop strings, grammars), which the engine observes here."""
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -167,89 +220,43 @@ class LLMEngine:
                 if (delta := self._end(rid, FinishReason.ERROR, message)) is not None
             ]
         if isinstance(step, PrefillChunk) and step.request_id in result.prompt_logprobs:
-            state = self._states.get(step.request_id)
-            if state is not None:
-                state.add_prompt_rows(step.positions[0], result.prompt_logprobs[step.request_id])
-        outputs = self.scheduler.update_from_output(
-            step, ModelRunnerOutput(result.sampled_token_ids)
-        )
-        deltas = []
-        for out in outputs:
-            state = self._states[out.request_id]
-            finish_reason = out.finish_reason
-            text_token_ids = out.new_token_ids
-            state.sampling.output_token_ids += out.new_token_ids
-            grammar_done = self._advance_grammar(state, out.new_token_ids)
-            first_prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
-            if state.params.max_tokens == 0:  # scoring only: the sampled token is not output
-                deltas.append(self._scored_only(out, state, first_prompt_logprobs))
-                continue
-            stop_reason: int | str | None = None
-            if (
-                finish_reason is FinishReason.STOP
-                and text_token_ids[-1] in state.params.stop_token_ids
-            ):
-                stop_reason = text_token_ids[-1]
-                text_token_ids = text_token_ids[:-1]  # a stop token's text is not output
-            text, stopped = state.detokenizer.add_tokens(
-                text_token_ids, finished=finish_reason is not None or grammar_done
+            self._states[step.request_id].add_prompt_rows(
+                step.positions[0], result.prompt_logprobs[step.request_id]
             )
-            if grammar_done and not stopped and finish_reason is None:
-                self.scheduler.finish_request(out.request_id, FinishReason.STOP)
-                finish_reason = FinishReason.STOP
-            if stopped and finish_reason is None:
-                self.scheduler.finish_request(out.request_id, FinishReason.STOP)
-            if stopped:
-                finish_reason = FinishReason.STOP
-                stop_reason = state.detokenizer.stop_string
-            lp = result.logprobs.get(out.request_id)
-            deltas.append(
-                RequestDelta(
-                    request_id=out.request_id,
-                    text=text,
-                    token_ids=list(out.new_token_ids),
-                    logprobs=[lp] if lp is not None else [],
-                    finish_reason=finish_reason,
-                    num_prompt_tokens=state.num_prompt_tokens,
-                    num_cached_tokens=out.num_cached_tokens,
-                    stop_reason=stop_reason,
-                    prompt_logprobs=first_prompt_logprobs,
-                )
-            )
-            if finish_reason is not None:
-                self._forget(out.request_id)
-        return deltas
+        outputs = self.scheduler.update_from_output(step, self._observe(result.sampled_token_ids))
+        return [self._delta(out, result.logprobs.get(out.request_id)) for out in outputs]
 
-    def _advance_grammar(self, state: _RequestState, token_ids: Sequence[int]) -> bool:
-        """Feed sampled tokens to the request's grammar; True once it is complete (or, which
-        the token mask prevents, broken)."""
-        grammar = state.sampling.grammar
-        if grammar is None:
-            return False
-        for token_id in token_ids:
-            if not grammar.accept(token_id):
-                logger.warning("token %d is outside the request's grammar; stopping", token_id)
-                return True
-        return grammar.is_terminated
+    def _observe(self, sampled_token_ids: dict[str, int]) -> ModelRunnerOutput:
+        """Feed each sampled token to its request's text and grammar, provisionally."""
+        stop_strings = {}
+        completed_grammars = set()
+        for request_id, token_id in sampled_token_ids.items():
+            state = self._states[request_id]
+            if (stop_string := state.detokenizer.add_token(token_id)) is not None:
+                stop_strings[request_id] = stop_string
+            if state.advance_grammar(token_id):
+                completed_grammars.add(request_id)
+        return ModelRunnerOutput(sampled_token_ids, stop_strings, frozenset(completed_grammars))
 
-    def _scored_only(
-        self,
-        out: RequestOutput,
-        state: _RequestState,
-        scored: list[TokenLogprobs | None] | None,
-    ) -> RequestDelta:
-        """The end of a max_tokens 0 request (the scheduler ran it with max_tokens 1, so its
-        first token ended it): its prompt logprobs, no token, ``length``."""
-        self._forget(out.request_id)
+    def _delta(self, out: RequestOutput, logprobs: TokenLogprobs | None) -> RequestDelta:
+        state = self._states[out.request_id]
+        finished = out.finish_reason is not None
+        # A stop token's text is not output; nor is the token of a max_tokens 0 request.
+        drop_token = not out.new_token_ids or isinstance(out.stop_reason, int)
+        text = state.detokenizer.release(drop_last=drop_token, finished=finished)
+        first_prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
+        if finished:
+            self._forget(out.request_id)
         return RequestDelta(
             request_id=out.request_id,
-            text="",
-            token_ids=[],
-            logprobs=[],
-            finish_reason=FinishReason.LENGTH,
+            text=text,
+            token_ids=list(out.new_token_ids),
+            logprobs=[logprobs] if logprobs is not None and out.new_token_ids else [],
+            finish_reason=out.finish_reason,
             num_prompt_tokens=state.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
-            prompt_logprobs=scored,
+            stop_reason=out.stop_reason,
+            prompt_logprobs=first_prompt_logprobs,
         )
 
     def _end(

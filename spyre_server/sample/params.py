@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spyre_server.structured_output import Grammar, GrammarState
+    from spyre_server.sample.structured_output import Grammar, GrammarState
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -97,9 +97,10 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class SequenceSampling:
-    """One sequence as the sampler sees it. The engine appends each sampled token to
-    ``output_token_ids``; ``min_tokens_stop_ids`` are the ids masked while fewer than
-    ``params.min_tokens`` tokens exist (its stop token ids, and EOS unless ignored)."""
+    """One sequence as the sampler sees it. ``output_token_ids`` is the scheduler's own list of
+    the request's output tokens (read here, written only by the scheduler);
+    ``min_tokens_stop_ids`` are the ids masked while fewer than ``params.min_tokens`` tokens
+    exist (its stop token ids, and EOS unless ignored)."""
 
     params: SamplingParams
     prompt_token_ids: tuple[int, ...] = ()

@@ -1,5 +1,5 @@
 """The flags of ``spyre-server serve`` (vLLM's spellings where vLLM has the setting) and the
-configuration keys they override."""
+configuration keys they override; ``spyre-server compile`` takes the same."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ class ServeFlag:
     type: Callable[[str], Any] = str
     repeatable: bool = False
     """Each use adds a value; the flag's values replace the key's list."""
+    switch: bool = False
+    """A flag without a value: it sets the key to true (``metavar`` empty)."""
 
     @property
     def dest(self) -> str:
@@ -107,15 +109,74 @@ FLAGS: tuple[ServeFlag, ...] = (
         "LEVEL",
         "debug, info, warning or error, in any case (default {default})",
     ),
+    ServeFlag(
+        "--allow-unverified-config",
+        "model.allow_unverified_config",
+        "",
+        "spyre backend with sendnn: start a model or configuration that is not among the "
+        "card's known-good ones (spyre_server/model/spyre/known_configs.yaml), with a warning",
+        switch=True,
+    ),
+    ServeFlag(
+        "--graph-cache-dir",
+        "model.graph_cache_dir",
+        "DIR",
+        "spyre backend: where the compiled programs are kept between starts (sendnn's or "
+        "inductor's graph cache; default: the compiler's own variable)",
+        Path,
+    ),
+    ServeFlag(
+        "--require-precompiled",
+        "model.require_precompiled",
+        "",
+        "spyre backend: refuse to start unless the graph cache holds this configuration's "
+        "programs (spyre-server compile puts them there)",
+        switch=True,
+    ),
 )
+
+COMPILE_DESCRIPTION = """\
+Compile the spyre backend's programs into the graph cache, without serving.
+
+It takes the configuration serve takes (config file, environment, the same flags), so that
+spyre-server compile ARGS compiles what spyre-server serve ARGS runs: it loads the model and
+warms up its programs as the server would, with the compiler's persistent cache in
+model.graph_cache_dir (--graph-cache-dir), and records the configuration in the cache's
+catalog (pre_compiled_cache_catalog.json). serve --require-precompiled then refuses to start
+without them.
+
+  sendnn    compiles for the Spyre card on a machine without one (the reference's
+            sendnn_compile_only backend, FLEX_DEVICE=COMPILE) into torch_sendnn's cache
+  inductor  fills inductor's FX graph cache
+  eager     is refused: it keeps nothing between starts
+
+exit status: 0 when the programs are in the cache, 2 for a bad configuration or a model or
+program that cannot be loaded or compiled."""
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to ``subparsers`` (``ArgumentParser.add_subparsers()``)."""
+    return _add_parser(subparsers, "serve", "start the OpenAI-compatible server", DESCRIPTION)
+
+
+def add_compile_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``compile`` subcommand: serve's configuration arguments (``serve_overrides``
+    reads both)."""
+    return _add_parser(
+        subparsers,
+        "compile",
+        "compile the spyre backend's programs into the graph cache, without serving",
+        COMPILE_DESCRIPTION,
+    )
+
+
+def _add_parser(
+    subparsers: Any, name: str, summary: str, description: str
+) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "serve",
-        help="start the OpenAI-compatible server",
-        description=DESCRIPTION,
+        name,
+        help=summary,
+        description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -135,14 +196,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     defaults = Config()
     for flag in FLAGS:
         section, _, key = flag.key.partition(".")
+        help_text = (
+            flag.help.format(default=getattr(getattr(defaults, section), key))
+            + f" [{flag.key}, {env_name(section, key)}]"
+        )
+        if flag.switch:
+            parser.add_argument(
+                flag.flag, dest=flag.dest, action="store_const", const=True, help=help_text
+            )
+            continue
         parser.add_argument(
             flag.flag,
             dest=flag.dest,
             type=flag.type,
             metavar=flag.metavar,
             action="append" if flag.repeatable else "store",
-            help=flag.help.format(default=getattr(getattr(defaults, section), key))
-            + f" [{flag.key}, {env_name(section, key)}]",
+            help=help_text,
         )
     return parser
 

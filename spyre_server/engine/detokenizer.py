@@ -31,6 +31,7 @@ class IncrementalDetokenizer:
         "_num_tokens",
         "_prefix_offset",
         "_read_offset",
+        "_staged",
         "_stop",
         "_token_ids",
         "_tokenizer",
@@ -60,27 +61,44 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         """The stop string found, if one was."""
         self._emitted = 0
+        self._staged: tuple[int, int, int, str] | None = None
+        """State before the provisional token: tokens, offsets, text."""
 
-    def add_tokens(self, token_ids: Sequence[int], finished: bool) -> tuple[str, bool]:
-        """Add sampled tokens; returns (text that can be released now, stop string found).
+    def add_token(self, token_id: int) -> str | None:
+        """Add a sampled token; returns the stop string its text completed, if one did. The
+        token stays provisional until ``release``, which can take it back."""
+        self._staged = (self._num_tokens, self._prefix_offset, self._read_offset, self.text)
+        if self.stop_string is not None:
+            return None  # the text already ended before a stop string
+        self._token_ids.append(token_id)
+        self._num_tokens += 1
+        return self.stop_string if self._append(self._decode_new(flush=False)) else None
 
-        With ``finished`` everything left is released, an incomplete character included (as
-        U+FFFD). After a stop string is found the text ends before it and nothing more may be
-        added.
-        """
-        stopped = False
-        for token_id in token_ids:
-            self._token_ids.append(token_id)
-            self._num_tokens += 1
-            stopped = self._append(self._decode_new(flush=False))
-            if stopped:
-                break
+    def release(self, *, drop_last: bool = False, finished: bool = False) -> str:
+        """The text that can be released now. ``drop_last`` takes back the token added last
+        (a stop token: its text is not output); ``finished`` releases everything left, an
+        incomplete character included (as U+FFFD)."""
+        if drop_last and self._staged is not None:
+            num_tokens, self._prefix_offset, self._read_offset, self.text = self._staged
+            del self._token_ids[len(self._token_ids) - (self._num_tokens - num_tokens) :]
+            self._num_tokens = num_tokens
+            self.stop_string = None
+        self._staged = None
+        stopped = self.stop_string is not None
         if finished and not stopped:
-            stopped = self._append(self._decode_new(flush=True))
+            self._append(self._decode_new(flush=True))
+            stopped = self.stop_string is not None
         releasable = len(self.text) if finished or stopped else len(self.text) - self._hold_back
         delta = self.text[self._emitted : max(releasable, self._emitted)]
         self._emitted += len(delta)
-        return delta, stopped
+        return delta
+
+    def add_tokens(self, token_ids: Sequence[int], finished: bool) -> tuple[str, bool]:
+        """Add several tokens and release; returns (text released now, stop string found)."""
+        for token_id in token_ids:
+            if self.add_token(token_id) is not None:
+                break
+        return self.release(finished=finished), self.stop_string is not None
 
     def _append(self, new_text: str) -> bool:
         """Add decoded text; cut it before a stop string and return True if one appears (once

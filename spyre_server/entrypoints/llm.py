@@ -4,36 +4,28 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from scheduler import FinishReason
 from spyre_server.config import Config
-from spyre_server.engine import LLMEngine
-from spyre_server.engine_factory import build_engine, check_backend
+from spyre_server.engine.core import LLMEngine, RequestResult
+from spyre_server.engine.factory import build_engine, check_backend
+from spyre_server.engine.validation import check_max_tokens, check_prompt
 from spyre_server.model.loading import (
     configure_torch,
+    fused_weights_for,
     load_model,
     model_dtype,
     resolve_model_path,
 )
-from spyre_server.sampling import SamplingParams, TokenLogprobs
+from spyre_server.sample.sampler import SamplingParams
 
 Prompt = str | Sequence[int]
 
 
-@dataclass(slots=True)
-class GenerationOutput:
+@dataclass(slots=True, kw_only=True)
+class GenerationOutput(RequestResult):
     request_id: str
     prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token (``None`` first)."""
-    stop_reason: int | str | None = None
 
 
 class LLM:
@@ -45,7 +37,9 @@ class LLM:
     def from_config(cls, config: Config) -> LLM:
         configure_torch(config)
         check_backend(config)
-        loaded = load_model(resolve_model_path(config), model_dtype(config))
+        loaded = load_model(
+            resolve_model_path(config), model_dtype(config), fused_weights=fused_weights_for(config)
+        )
         return cls(build_engine(config, loaded))
 
     def generate(
@@ -64,9 +58,13 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 token_ids = self.encode(prompt)
+                check_prompt(token_ids, self.engine.limits)
+                check_max_tokens(p.max_tokens, len(token_ids), self.engine.limits)
                 request_id = f"offline-{next(self._ids)}"
                 self.engine.add_request(request_id, token_ids, p, cache_salt=cache_salt)
-                outputs[request_id] = GenerationOutput(request_id, token_ids)
+                outputs[request_id] = GenerationOutput(
+                    request_id=request_id, prompt_token_ids=token_ids
+                )
         except ValueError:
             for request_id in outputs:  # all or nothing
                 self.engine.abort_request(request_id)
@@ -74,17 +72,8 @@ class LLM:
         pending = set(outputs)
         while pending and self.engine.has_unfinished_requests:
             for delta in self.engine.step():
-                out = outputs[delta.request_id]
-                out.text += delta.text
-                out.token_ids += delta.token_ids
-                out.logprobs += delta.logprobs
-                out.num_cached_tokens = delta.num_cached_tokens
-                if delta.prompt_logprobs is not None:
-                    out.prompt_logprobs = delta.prompt_logprobs
+                outputs[delta.request_id].apply(delta)
                 if delta.finished:
-                    out.stop_reason = delta.stop_reason
-                    out.finish_reason = delta.finish_reason
-                    out.error = delta.error
                     pending.discard(delta.request_id)
         return list(outputs.values())
 

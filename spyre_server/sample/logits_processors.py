@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from spyre_server.sampling_params import SequenceSampling
+from spyre_server.sample.params import SequenceSampling
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> torch.Tensor:
@@ -43,7 +43,7 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SequenceSamplin
     if penalised:
         logits[penalised] = _penalise(logits[penalised], [rows[i] for i in penalised])
     if constrained:
-        from spyre_server.structured_output import apply_grammars
+        from spyre_server.sample.structured_output import apply_grammars
 
         part = logits[constrained]
         apply_grammars(part, [rows[i].grammar for i in constrained])  # type: ignore[misc]

@@ -1,4 +1,4 @@
-"""The spyre-server command: prepare-model, serve and bench."""
+"""The spyre-server command: prepare-model, serve, compile and bench."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ from pathlib import Path
 
 from spyre_server.benchmark.cli import add_parser as add_bench_parser
 from spyre_server.config import Config, ConfigError, load_config
+from spyre_server.entrypoints.serve_flags import (
+    add_compile_parser,
+    add_serve_parser,
+    serve_overrides,
+)
 from spyre_server.model.store import ModelStoreError, default_cache_dir, prepare_default_model
-from spyre_server.serve_flags import add_serve_parser, serve_overrides
 
 
 def _progress(message: str) -> None:
@@ -28,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare.add_argument("--config", type=Path, help="config file (for model.cache_dir)")
     prepare.add_argument("--cache-dir", type=Path, help="overrides model.cache_dir")
     add_serve_parser(commands)
+    add_compile_parser(commands)
     add_bench_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -43,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         overrides, sources = serve_overrides(args)
         config = load_config(args.config, overrides=overrides, override_sources=sources)
+        if args.command == "compile":
+            return _compile(config)
         return _serve(config)
     except (ConfigError, ModelStoreError) as exc:
         _progress(f"error: {exc}")
@@ -58,9 +65,9 @@ def _serve(config: Config) -> int:
     # serve() hands SIGTERM over to uvicorn's drain once the server is built.
     signal.signal(signal.SIGTERM, _stop_during_startup)
     # Imported here: torch, fms and uvicorn take seconds to import.
-    from spyre_server.listen_socket import ListenError
+    from spyre_server.entrypoints.listen_socket import ListenError
+    from spyre_server.entrypoints.serve import serve
     from spyre_server.model.loading import ModelLoadError
-    from spyre_server.serve import serve
 
     try:
         serve(config)
@@ -72,6 +79,50 @@ def _serve(config: Config) -> int:
         # model was still loading.
         global _interrupted
         _interrupted = True
+    return 0
+
+
+def _compile(config: Config) -> int:
+    """Load the model and warm up its programs into the graph cache, as serve would with the
+    same configuration, and record them in the cache's catalog; no port, no server."""
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Imported here: torch and fms take seconds to import.
+    import torch
+
+    from spyre_server.engine.factory import build_engine, check_backend
+    from spyre_server.model.loading import (
+        ModelLoadError,
+        fused_weights_for,
+        load_model,
+        model_dtype,
+        resolve_model_path,
+    )
+    from spyre_server.model.spyre.precompiled import catalog_entry, graph_cache_dir, write_catalog
+
+    try:
+        check_backend(config, compile_only=True)
+        # One torch thread, as serve loads and warms up (serve.load): inductor's CPU code, and
+        # so its cache key, depends on the thread count.
+        torch.set_num_threads(1)
+        dtype = model_dtype(config)
+        path = resolve_model_path(config, progress=_progress)
+        loaded = load_model(path, dtype, fused_weights=fused_weights_for(config))
+        engine = build_engine(config, loaded, compile_only=True)
+    except ModelLoadError as exc:
+        _progress(f"error: {exc}")
+        return 2
+    directory = graph_cache_dir(config)
+    assert directory is not None  # check_backend refuses compile without one
+    catalog = write_catalog(directory, catalog_entry(config, engine.scheduler.config, dtype))
+    stats = engine.runner.program_stats()
+    graphs = dict(stats.graphs) if stats else {}
+    _progress(
+        f"compiled {graphs.get('prefill', 0)} prefill and {graphs.get('decode', 0)} decode "
+        f"graph(s) ({config.model.compile_backend}) into {directory}; catalog {catalog}"
+    )
     return 0
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spyre_server.logits_processors import apply_logits_processors
-from spyre_server.sampling_params import (
+from spyre_server.sample.logits_processors import apply_logits_processors
+from spyre_server.sample.params import (
     MAX_LOGPROBS,
     SamplingParams,
     SequenceSampling,

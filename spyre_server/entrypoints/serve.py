@@ -17,25 +17,25 @@ from fastapi import FastAPI
 
 from spyre_server.api.app import create_app
 from spyre_server.api.auth import APIKeys, salt_secret
+from spyre_server.api.chat_template import load_chat_template
 from spyre_server.api.generation import GenerationLimits
 from spyre_server.api.generation_defaults import GenerationDefaults
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.api.state import ServerState
-from spyre_server.async_engine import AsyncEngine
-from spyre_server.chat_template import load_chat_template
 from spyre_server.config import Config
-from spyre_server.engine import LLMEngine
-from spyre_server.engine_factory import build_engine, check_backend
-from spyre_server.listen_socket import bind_socket
+from spyre_server.engine.async_engine import AsyncEngine
+from spyre_server.engine.core import LLMEngine
+from spyre_server.engine.factory import build_engine, check_backend
+from spyre_server.entrypoints.listen_socket import bind_socket
 from spyre_server.model.loading import (
     LoadedModel,
     compute_threads,
+    fused_weights_for,
     load_model,
     model_dtype,
     resolve_model_path,
-    served_model_name,
 )
-from spyre_server.structured_output import GrammarCompiler
+from spyre_server.sample.structured_output import GrammarCompiler
 
 logger = logging.getLogger("spyre_server")
 
@@ -52,7 +52,7 @@ def load(config: Config) -> LoadedModel:
     path = resolve_model_path(config, progress=lambda message: logger.info("%s", message))
     dtype = model_dtype(config)
     logger.info("loading the model from %s (%s)", path, str(dtype).removeprefix("torch."))
-    return load_model(path, dtype)
+    return load_model(path, dtype, fused_weights=fused_weights_for(config))
 
 
 def build_app(
@@ -65,7 +65,7 @@ def build_app(
     """``num_threads``: torch threads the step thread sets when it starts (``None``: whatever
     torch has then)."""
     engine = engine or build_engine(config, loaded)
-    model_name = served_model_name(config, loaded)
+    model_name = engine.model_name
     template = config.model.chat_template
     state = ServerState(
         engine=AsyncEngine(engine, num_threads=num_threads),
@@ -73,8 +73,7 @@ def build_app(
         config=config,
         model_name=model_name,
         limits=GenerationLimits(
-            max_model_len=config.model.max_model_len,
-            vocab_size=loaded.vocab_size,
+            request=engine.limits,
             default_max_tokens=config.server.default_max_tokens,
             max_waiting=config.scheduler.max_waiting,
         ),
@@ -99,21 +98,20 @@ def serve(config: Config) -> None:
     sock = bind_socket(config.server.host, config.server.port)
     loaded = load(config)
     app = build_app(config, loaded, num_threads=compute_threads(config))
-    model_name = served_model_name(config, loaded)
     del loaded  # the engine holds what it runs (a packed copy of the weights on the cpu backend)
     # Everything alive now (torch, transformers, the model's modules: over a million objects)
-    # lives as long as the server: keep it out of the collector, whose full collections
-    # otherwise took 150-380 ms each in the middle of requests (as vLLM does after start-up).
+    # lives as long as the server: keep it out of the collector, whose full collections would
+    # otherwise scan it in the middle of requests (as vLLM does after start-up).
     gc.collect()
     gc.freeze()
     release_freed_memory()
     logger.info(
         "serving %s on http://%s:%d",
-        model_name,
+        app.state.server.model_name,
         config.server.host,
         sock.getsockname()[1],
     )
-    # Until here SIGTERM stops the start-up at once (spyre_server.cli). From here uvicorn drains
+    # Until here SIGTERM stops the start-up at once (entrypoints/cli.py). From here uvicorn drains
     # in-flight requests on SIGTERM, restores the previous handler and raises the signal again:
     # make that previous handler a no-op so a graceful stop exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -133,8 +131,7 @@ def release_freed_memory() -> None:
 
     Loading frees hundreds of MB in weight-sized chunks (the unpacked linear weights once the cpu
     backend's packed copy exists, fms's pre-fusion tensors), and glibc keeps such chunks in its
-    heap: SmolLM2's server stayed at 3.5 GB RSS instead of 3.1 GB. Other C libraries have no
-    ``malloc_trim``; there is nothing to do then."""
+    heap. Other C libraries have no ``malloc_trim``; there is nothing to do then."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         trim = libc.malloc_trim
