@@ -1,30 +1,18 @@
-"""The cpu backend's own copy of the model, with the CPU kernels it runs faster with.
+"""The cpu backend's copy of the model and the kernels it runs, as the config chooses them.
 
-``cpu_inference_copy`` returns a copy of the loaded fms model that shares every parameter and
-buffer with it (only the module objects are new), then, on the copy only:
+``cpu_inference_copy`` copies the loaded fms model, sharing every parameter and buffer with it
+(only the module objects are new; the loaded model is left as it was, and dropping it frees the
+unpacked linear weights), and puts the copy's rotary embeddings, RMS norms and linear layers on
+faster kernels (``model.linear_kernel``; a bfloat16 copy's element-wise ops run on ours whatever
+its linear kernel). ``cpu_attention_kernel`` picks the paged-attention op's kernel
+(``model.attention_kernel``) and ``cpu_decoder`` the step that runs them all.
 
-- its rotary embedding computes with the rotation's entries (``fast_rope.py``: the same result
-  bit for bit);
-- its RMS norms run as one aten op each (``fast_norm.py``: the same result bit for bit);
-- its linear layers hold their weights packed for our own float32 kernel
-  (``linear_kernel="native"``, ``native_linear.py``) or for oneDNN (``"onednn"``,
-  ``packed_linear.py``), or stay ``F.linear`` (``"aten"``); the packed kernels differ from
-  ``F.linear`` by float32 rounding. With ``native``, its RMS norms, GLU activations and rotary
-  embeddings run on our own kernels too (``native_elementwise.py``, float32 rounding again).
-  ``"auto"`` is ``native`` for float32 on CPUs with AVX2 and FMA, ``onednn`` otherwise
-  (``resolve_linear_kernel``).
-
-``cpu_attention_kernel`` gives the runner its kernel for the paged-attention op
-(``model.attention_kernel``; in bfloat16 ``auto`` is our bfloat16 dot-product kernel on AMX where
-the CPU has AMX, else on AVX512-BF16 where it has that, else ours for decode steps and SDPA's
-flash for prefill chunks), and ``cpu_decoder`` its step without
-fms's module machinery: the native one (``native_decoder.py``) when both kernels are native,
-the native bfloat16 one (``native_bf16_decoder.py``) for a bfloat16 model on the native
-element-wise kernels, else the aten one (``aten_decoder.py``). A bfloat16 copy gets the native
-element-wise kernels whatever its linear kernel.
-
-The loaded model is left as it was (tests share one model between engines and oracles). Drop it
-to free the unpacked linear weights.
+``auto`` picks: for the linears ``native`` (float32 or bfloat16) on CPUs with AVX2 and FMA, else
+``onednn``: ours compute each row the same way in a step of any size, which the prefix cache
+needs, and oneDNN's do not;
+for attention ours (``native``) in float32, in bfloat16 our dot-product kernel on AMX, else on
+AVX512-BF16, else ``native``, and SDPA's ``flash`` where ours cannot compute the model; for the
+steps the first decoder that covers the model. docs/cpu-backend.md describes the kernels.
 """
 
 from __future__ import annotations
@@ -33,55 +21,62 @@ import copy
 import functools
 import itertools
 import logging
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from spyre_server.model.aten_decoder import AtenDecoder
-from spyre_server.model.aten_decoder import unsupported_reason as aten_unsupported_reason
-from spyre_server.model.fast_norm import use_fast_rms_norm
-from spyre_server.model.fast_rope import use_fast_rope
-from spyre_server.model.native_attention import (
+from spyre_server.model.cpu.decoders.aten import AtenDecoder
+from spyre_server.model.cpu.decoders.aten import unsupported_reason as aten_unsupported_reason
+from spyre_server.model.cpu.decoders.native import NativeDecoder
+from spyre_server.model.cpu.decoders.native import unsupported_reason as native_unsupported_reason
+from spyre_server.model.cpu.decoders.native_bf16 import NativeBf16Decoder
+from spyre_server.model.cpu.decoders.native_bf16 import (
+    unsupported_reason as bf16_unsupported_reason,
+)
+from spyre_server.model.cpu.errors import (
+    AttentionKernelError,
+    KernelUnavailableError,
+    LinearKernelError,
+)
+from spyre_server.model.cpu.kernels.library import (
+    DOT_BF16_NOT_COMPILED,
+    NativeKernelError,
+    NativeKernels,
+    NativeKernelSettings,
+    bf16_dot_unsupported_reason,
+    unsupported_cpu_reason,
+)
+from spyre_server.model.cpu.ops.fast_norm import use_fast_rms_norm
+from spyre_server.model.cpu.ops.fast_rope import use_fast_rope
+from spyre_server.model.cpu.ops.native_attention import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     NativePagedAttention,
 )
-from spyre_server.model.native_bf16_decoder import NativeBf16Decoder
-from spyre_server.model.native_bf16_decoder import unsupported_reason as bf16_unsupported_reason
-from spyre_server.model.native_decoder import NativeDecoder
-from spyre_server.model.native_decoder import unsupported_reason as native_unsupported_reason
-from spyre_server.model.native_elementwise import use_native_elementwise
-from spyre_server.model.native_kernels import (
-    DOT_BF16_NOT_COMPILED,
-    NativeKernelError,
-    NativeKernels,
-    bf16_dot_unsupported_reason,
-    default_kernel_dir,
-    load_native_kernels,
-    unsupported_cpu_reason,
-)
-from spyre_server.model.native_linear import use_native_linears
-from spyre_server.model.packed_linear import LinearKernelError, check_onednn, pack_linears
+from spyre_server.model.cpu.ops.native_elementwise import use_native_elementwise
+from spyre_server.model.cpu.ops.native_linear import NATIVE_DTYPES, use_native_linears
+from spyre_server.model.cpu.ops.packed_linear import check_onednn, pack_linears
 
 logger = logging.getLogger(__name__)
 
 
 LinearKernel = Literal["auto", "native", "onednn", "aten"]
+DEFAULT_KERNEL_SETTINGS = NativeKernelSettings()
+"""The native kernels in ``default_kernel_dir()``, 512 bits wide where the CPU has AVX512F."""
 
 
 def resolve_linear_kernel(
     requested: LinearKernel, dtype: torch.dtype
 ) -> Literal["native", "onednn", "aten"]:
     """The kernel ``model.linear_kernel`` stands for with ``dtype`` on this machine; raises
-    LinearKernelError for ``native`` with a dtype other than float32."""
+    LinearKernelError for ``native`` with a dtype other than float32 and bfloat16."""
     if requested == "auto":
-        native = dtype == torch.float32 and unsupported_cpu_reason() is None
+        native = dtype in NATIVE_DTYPES and unsupported_cpu_reason() is None
         return "native" if native else "onednn"
-    if requested == "native" and dtype != torch.float32:
+    if requested == "native" and dtype not in NATIVE_DTYPES:
         raise LinearKernelError(
-            f"model.linear_kernel 'native' computes in float32, and the model runs in {dtype}; "
-            "set model.linear_kernel: onednn (or auto), or model.dtype: float32"
+            f"model.linear_kernel 'native' computes float32 and bfloat16, and the model runs "
+            f"in {dtype}; set model.linear_kernel: onednn (or auto), or model.dtype: float32"
         )
     return requested
 
@@ -94,7 +89,7 @@ def resolve_attention_kernel(
     requested: AttentionKernel, dtype: torch.dtype, head_dim: int
 ) -> ResolvedAttentionKernel:
     """The kernel ``model.attention_kernel`` stands for (``mixed``: native for decode steps,
-    flash for prefill chunks); raises LinearKernelError for a kernel that cannot compute
+    flash for prefill chunks); raises AttentionKernelError for a kernel that cannot compute
     ``dtype`` and ``head_dim`` here (``native`` and ``mixed``: float32 or bfloat16 with head_dim
     64 or 128; ``amx`` and ``avx512_bf16``: bfloat16 with those head sizes on a CPU with that
     unit)."""
@@ -107,30 +102,57 @@ def resolve_attention_kernel(
         # In bfloat16 our dot-product kernels multiply bfloat16 for both the prefill chunks
         # and the decode steps, on AMX or else AVX512-BF16. Without either, ours computing in
         # float32 beats SDPA's flash kernel at both: flash multiplies bfloat16 fast only on
-        # AMX (RESULTS.md, session 14: without AMX flash ran prefill chunks at 78-130 GFLOP/s,
-        # ours at 140-290).
+        # AMX.
         if bf16_dot_unsupported_reason("amx") is None:
             return "amx"
         return "avx512_bf16" if bf16_dot_unsupported_reason("avx512_bf16") is None else "native"
     if requested in ("native", "mixed") and not supported:
-        raise LinearKernelError(
+        raise AttentionKernelError(
             f"model.attention_kernel '{requested}' computes float32 or bfloat16 with head_dim "
             f"64 or 128, and the model runs {dtype} with head_dim {head_dim}; set "
             "model.attention_kernel: flash (or auto)"
         )
     if requested == "amx" or requested == "avx512_bf16":
         if dtype != torch.bfloat16 or head_dim not in SUPPORTED_HEAD_DIMS:
-            raise LinearKernelError(
+            raise AttentionKernelError(
                 f"model.attention_kernel '{requested}' computes bfloat16 with head_dim 64 or "
                 f"128, and the model runs {dtype} with head_dim {head_dim}; set "
                 "model.attention_kernel: auto"
             )
         if (reason := bf16_dot_unsupported_reason(requested)) is not None:
-            raise LinearKernelError(
+            raise AttentionKernelError(
                 f"model.attention_kernel '{requested}' cannot run here: {reason}; set "
                 "model.attention_kernel: auto"
             )
     return requested
+
+
+def warn_unless_row_invariant(
+    linear_kernel: LinearKernel,
+    attention_kernel: AttentionKernel,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    prefix_caching: bool,
+) -> None:
+    """Log a warning when prefix caching is on and a resolved kernel is not row-invariant (it
+    sums a row in another order in a step of another shape: oneDNN's and aten's linear, SDPA's
+    flash attention, ``mixed``'s prefill chunks), so a cache hit may change a token; our own
+    kernels give a row the same bits in any step (DESIGN §4, test_batch_invariance.py)."""
+    if not prefix_caching:
+        return
+    linear = resolve_linear_kernel(linear_kernel, dtype)
+    attention = resolve_attention_kernel(attention_kernel, dtype, head_dim)
+    others = [f"linear_kernel {linear}"] if linear != "native" else []
+    if attention in ("flash", "mixed"):
+        others.append(f"attention_kernel {attention}")
+    if others:
+        logger.warning(
+            "cpu kernels: %s sum a row in another order in steps of other shapes, so a "
+            "prefix-cache hit can change a token of a %s model (the native kernels cannot)",
+            " and ".join(others),
+            str(dtype).removeprefix("torch."),
+        )
 
 
 def cpu_attention_kernel(
@@ -138,20 +160,20 @@ def cpu_attention_kernel(
     *,
     dtype: torch.dtype,
     head_dim: int,
-    kernel_dir: Path | None = None,
-    native_avx512: bool = True,
+    kernel_settings: NativeKernelSettings = DEFAULT_KERNEL_SETTINGS,
 ) -> NativePagedAttention | None:
     """The cpu runner's kernel for the paged-attention op: ours, or None for SDPA's flash
-    kernel; raises LinearKernelError where ours cannot run here. ``native_avx512``: as
+    kernel; raises AttentionKernelError where ours cannot run here (KernelUnavailableError
+    where the native kernels cannot be built or run). ``kernel_settings``: as
     ``cpu_inference_copy``'s."""
     resolved = resolve_attention_kernel(attention_kernel, dtype, head_dim)
     if resolved == "flash":
         logger.info("cpu kernels: attention_kernel flash (%s)", attention_kernel)
         return None
-    kernels = _native_kernels(kernel_dir, native_avx512)
+    kernels = _native_kernels(kernel_settings)
     if (resolved == "amx" or resolved == "avx512_bf16") and not kernels.dot_bf16_compiled:
         if attention_kernel == resolved:
-            raise LinearKernelError(
+            raise AttentionKernelError(
                 f"model.attention_kernel '{resolved}' cannot run here: {DOT_BF16_NOT_COMPILED}; "
                 "set model.attention_kernel: auto"
             )
@@ -203,15 +225,14 @@ def cpu_decoder(
     return None
 
 
-def _native_kernels(kernel_dir: Path | None, avx512: bool) -> NativeKernels:
-    """The kernels built in (or loaded from) ``kernel_dir`` (None: the default), their float32
-    code 512 bits wide where ``avx512`` and the CPU has AVX512F (``model.native_avx512``); or a
-    LinearKernelError, the start-up error of a kernel that cannot run here."""
+def _native_kernels(settings: NativeKernelSettings) -> NativeKernels:
+    """The kernels with ``settings``; raises KernelUnavailableError (the start-up error) where
+    they cannot be built or run here."""
     try:
-        kernels = load_native_kernels(kernel_dir or default_kernel_dir())
+        kernels = settings.load()
     except NativeKernelError as exc:
-        raise LinearKernelError(str(exc)) from exc
-    _log_width(kernels.avx512(int(avx512)) == 1, avx512)
+        raise KernelUnavailableError(str(exc)) from exc
+    _log_width(kernels.avx512, settings.avx512)
     return kernels
 
 
@@ -231,14 +252,13 @@ def cpu_inference_copy(
     *,
     linear_kernel: LinearKernel,
     dtype: torch.dtype,
-    kernel_dir: Path | None = None,
-    native_avx512: bool = True,
+    kernel_settings: NativeKernelSettings = DEFAULT_KERNEL_SETTINGS,
 ) -> torch.nn.Module:
     """``linear_kernel`` as ``model.linear_kernel`` validated it; raises LinearKernelError where
-    the kernel it stands for cannot run here. ``kernel_dir``: where the native kernels are built
-    (``model.kernel_dir``; None: ``default_kernel_dir()``). ``native_avx512``
-    (``model.native_avx512``): whether the native kernels' float32 code runs 512 bits wide on
-    CPUs with AVX512F; a setting of the process's kernel library: the last call sets it."""
+    the kernel it stands for cannot run here, KernelUnavailableError where the native kernels it
+    needs cannot be built or run. ``kernel_settings``: where the native kernels are
+    built and whether their float32 code runs 512 bits wide on CPUs with AVX512F
+    (``model.kernel_dir``, ``model.native_avx512``), for this copy's kernels only."""
     kernel = resolve_linear_kernel(linear_kernel, dtype)
     if kernel == "onednn":
         check_onednn(dtype)
@@ -246,25 +266,38 @@ def cpu_inference_copy(
     clone = copy.deepcopy(model, shared)
     num_rope = use_fast_rope(clone)
     num_norms = use_fast_rms_norm(clone)
+    code = ""
     if kernel == "native":
-        kernels = _native_kernels(kernel_dir, native_avx512)
+        kernels = _native_kernels(kernel_settings)
         num_replaced = use_native_linears(clone, kernels)
         use_native_elementwise(clone, kernels)
+        if dtype == torch.bfloat16:
+            code = ", AVX512-BF16" if kernels.linear_bf16_dot else ", AVX2"
     elif kernel == "onednn":
         num_replaced = pack_linears(clone)
     else:
         num_replaced = 0
     if kernel != "native" and dtype == torch.bfloat16 and unsupported_cpu_reason() is None:
-        # No native linear computes bfloat16, but the element-wise kernels do.
-        use_native_elementwise(clone, _native_kernels(kernel_dir, native_avx512))
+        # The linears are oneDNN's or aten's, the element-wise kernels ours.
+        use_native_elementwise(clone, _native_kernels(kernel_settings))
+    if dtype == torch.bfloat16 and unsupported_cpu_reason() is None:
         logger.info("cpu kernels: bfloat16 RMS norms, GLU activations and RoPE native")
     logger.info(
-        "cpu kernels: linear_kernel %s (%s): %d linear layers packed; %d rotary embeddings and "
+        "cpu kernels: linear_kernel %s (%s%s): %d linear layers packed; %d rotary embeddings and "
         "%d RMS norms on the fast path",
         kernel,
         linear_kernel,
+        code,
         num_replaced,
         num_rope,
         num_norms,
     )
+    if kernel != "native":
+        logger.warning(
+            "cpu kernels: linear_kernel %s is not batch-invariant: a row's result can depend on "
+            "how many rows a step computes, so a prefix-cache hit can change the last bits of a "
+            "prompt's KV and, rarely, an answer (DESIGN §4); linear_kernel native does not%s",
+            kernel,
+            "" if unsupported_cpu_reason() is None else " but cannot run here",
+        )
     return clone

@@ -2,11 +2,12 @@
 
 ``NativePagedAttention`` computes each row group of the step's plan in one call per layer: its
 shared blocks (read once for every row, the keys split into one range per thread over every KV
-head, where flash splits by heads and query blocks: 3 tasks for 2 threads at a SmolLM2 decode
-step) and each row's own blocks (causal), read in place from the cache through the block ids,
-merged through their log-sum-exps and written in fms's layout. The flash path gathers blocks
-that are not consecutive into copies and merges in aten ops. float32 or bfloat16 (computed in
-float32, the output rounded once), head_dim 64 or 128, x86-64 with AVX2 and FMA.
+head, where flash splits by heads and query blocks only) and each row's own blocks (causal,
+and within the plan's sliding window where it has one), read in place from the cache through
+the block ids, merged through their log-sum-exps and written in fms's layout. The flash path
+gathers blocks that are not consecutive into copies and merges in aten ops. float32 or
+bfloat16 (computed in float32, the output rounded once), head_dim 64 or 128, x86-64 with AVX2
+and FMA.
 
 With ``bf16_dot`` (bfloat16 only, ``kernels/attention_dot_bf16.cpp``) the same plan runs with
 both products as bfloat16 dot products accumulated in float32, on the AMX tile unit (``amx``)
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from spyre_server.model.native_kernels import (
+from spyre_server.model.cpu.kernels.library import (
     DOT_BF16_NOT_COMPILED,
     Bf16Dot,
     NativeKernels,
     bf16_dot_unsupported_reason,
 )
-from spyre_server.model.paged_attention import AttentionPlan, RowGroup, flash_attention
+from spyre_server.model.cpu.paged_attention import AttentionPlan, RowGroup, flash_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -59,7 +60,7 @@ class NativePagedAttention:
     ) -> None:
         """``prefill`` False: queries of more than one position (prefill chunks) go to SDPA's
         flash kernel instead (``model.attention_kernel: mixed``: on AMX, flash multiplies
-        bfloat16 on the tiles and this kernel in float32; RESULTS.md measures both). ``bf16_dot``:
+        bfloat16 on the tiles and this kernel in float32). ``bf16_dot``:
         the bfloat16 dot-product kernel (bfloat16 only) on that unit, None: float32 compute;
         raises ValueError where it cannot run here."""
         self._dot_kernel = None
@@ -74,11 +75,12 @@ class NativePagedAttention:
                 if bf16_dot == "amx"
                 else kernels.paged_attention_avx512_bf16
             )
-        self._kernels = kernels
+        self.kernels = kernels
+        """The kernels it runs (their ``avx512``: its width)."""
         self.prefill = prefill
         self.bf16_dot = bf16_dot
         self._scratch = torch.empty(0)
-        """Grown to the largest call so far and kept: 30 calls per step."""
+        """Grown to the largest call so far and kept: one call per layer and step."""
 
     def __call__(
         self,
@@ -145,7 +147,7 @@ class NativePagedAttention:
             )
         threads = max(1, torch.get_num_threads())
         rows = batch * num_queries * (nheads // kvheads)
-        lib = self._kernels
+        lib = self.kernels
         if self._dot_kernel is not None:
             kernel, scratch_numel = self._dot_kernel, lib.paged_attention_dot_bf16_scratch_numel
         elif query.dtype == torch.float32:
@@ -170,6 +172,7 @@ class NativePagedAttention:
             group.own_blocks.data_ptr(),
             group.num_own_blocks,
             group.positions.data_ptr(),
+            group.window,
             scale,
             threads,
             self._scratch.data_ptr(),

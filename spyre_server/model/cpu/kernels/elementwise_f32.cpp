@@ -4,7 +4,7 @@
 //
 // Each replaces several aten ops (torch's CPU rms_norm is a pow, a mean, an add, an rsqrt and two
 // products; fms's GLU is a split, a silu and a product; RoPE is a flip and three products), and
-// every aten op costs a few microseconds whatever its size, ~60 times per step. Rows are split
+// every aten op has a fixed cost whatever its size, a few times per layer and step. Rows are split
 // over OpenMP threads (torch's pool, as in linear_f32.cpp) only when there are enough of them:
 // a decode step's few rows are cheaper on the calling thread than waking a worker.
 #include <immintrin.h>

@@ -14,10 +14,9 @@
 // pair-interleaved ("VNNI") layout and the values interleaved by key pairs; then every 16-row
 // tile of queries that sees the tile computes its scores = q . k^T, the online softmax of its
 // rows (in powers of 2, each row's sum in 16 lanes), and o = o * rescale + p . v. Only the two
-// products differ between the units (struct Amx, struct Avx512Bf16). The parts are
-// attention.cpp's: the shared blocks (no mask, every row, the keys split into one range per
-// thread) and each sequence's own blocks (causal, one task per sequence, head and 64 rows),
-// merged through their log-sum-exps (in log2 units here).
+// products differ between the units (struct Amx, struct Avx512Bf16). The parts (the shared
+// blocks split across threads, each sequence's own blocks causal, in tasks of 64 rows) and their
+// merges are attention_common.h's.
 //
 // A compiler without AMX intrinsics (GCC before 11, clang before 12), or SPYRE_NO_DOT_BF16
 // defined, builds the entry points as stubs: spyre_dot_bf16_compiled() says 0 and the kernels
@@ -35,14 +34,16 @@
 #include <math.h>
 #include <omp.h>
 
+#include "attention_common.h"
+
 namespace {
+
+using namespace spyre_attention;
 
 constexpr int64_t kKeys = 64;       // keys per tile: four score tiles
 constexpr int64_t kRows = 16;       // query rows per tile
 constexpr int64_t kOwnRows = 64;    // rows per task of the own blocks' part
 constexpr int64_t kTileBf16 = 512;  // bfloat16 values of one 16 x 64-byte tile
-
-inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 alignas(64) const uint16_t kZeros[128] = {};  // a missing key's row (past the context's end)
 
@@ -107,16 +108,6 @@ inline void transpose16(__m512i r[16]) {
     }
 }
 
-// Where a context's keys and values live in the cache [num_blocks][bs][H][D]: the context's key
-// j of head h at (blocks[j / bs] * bs + j % bs) * ldk + h * D.
-struct Context {
-    const uint16_t* k;
-    const uint16_t* v;
-    const int64_t* blocks;
-    int64_t bs;
-    int64_t ldk;  // H * D
-};
-
 // One key tile of one head in the tile unit's layouts, and the buffers of one 16-row product.
 template <int64_t D>
 struct Work {
@@ -140,20 +131,14 @@ struct Work {
 
 // Puts keys [t0, t0 + nk) of head h of ctx (nk <= kKeys) into w.kt and w.vt (zeros past nk).
 template <int64_t D>
-void load_tile(const Context& ctx, int64_t h, int64_t t0, int64_t nk, Work<D>& w) {
+void load_tile(const Context<uint16_t>& ctx, int64_t h, int64_t t0, int64_t nk, Work<D>& w) {
     const uint16_t* krows[kKeys];
     const uint16_t* vrows[kKeys];
-    int64_t block = t0 / ctx.bs, in_block = t0 % ctx.bs;
-    for (int64_t j = 0; j < kKeys; j++) {
-        if (j < nk) {
-            const int64_t off = (ctx.blocks[block] * ctx.bs + in_block) * ctx.ldk + h * D;
-            krows[j] = ctx.k + off;
-            vrows[j] = ctx.v + off;
-            if (++in_block == ctx.bs) { in_block = 0; block++; }
-        } else {
-            krows[j] = vrows[j] = kZeros;
-        }
-    }
+    ctx.keys(t0, nk, [&](int64_t j, int64_t off) {
+        krows[j] = ctx.k + off + h * D;
+        vrows[j] = ctx.v + off + h * D;
+    });
+    for (int64_t j = nk; j < kKeys; j++) krows[j] = vrows[j] = kZeros;
     for (int64_t c = 0; c < D / 32; c++)
         for (int64_t j = 0; j < kKeys / 16; j++) {
             __m512i r[16];
@@ -328,13 +313,14 @@ struct Avx512Bf16 {
     }
 };
 
-// The 16 rows q [kRows][D] (bfloat16) against the tile in w: row i sees the tile's first
-// visible[i] keys (0: none, and its state is untouched). Their online-softmax states are
-// o [kRows][D], m [kRows] (in log2 units: scale2 is the scale times log2(e)) and l [kRows][16]
-// (each row's sum in 16 lanes, added at the end).
+// The 16 rows q [kRows][D] (bfloat16) against the tile in w: row i sees the tile's keys from
+// from[i] (0 without a window) before visible[i] (visible[i] 0: none, and its state is
+// untouched; from[i] < visible[i] otherwise). Their online-softmax states are o [kRows][D],
+// m [kRows] (in log2 units: scale2 is the scale times log2(e)) and l [kRows][16] (each row's
+// sum in 16 lanes, added at the end).
 template <class Unit, int64_t D>
-void attend_rows(const uint16_t* q, const int64_t* visible, float scale2, Work<D>& w, float* o,
-                 float* m, float* l) {
+void attend_rows(const uint16_t* q, const int64_t* from, const int64_t* visible, float scale2,
+                 Work<D>& w, float* o, float* m, float* l) {
     static_assert(kKeys == 64, "four score tiles, two probability tiles");
     Unit::template scores<D>(q, visible, w);
     // Per row: the tile's max, the probabilities 2^(scale2 * s - new max), their sum. The old
@@ -357,7 +343,7 @@ void attend_rows(const uint16_t* q, const int64_t* visible, float scale2, Work<D
         __mmask16 mk[4];
         __m512 vmax = ninf;
         for (int k = 0; k < 4; k++) {
-            mk[k] = visible_mask(nv, k);
+            mk[k] = visible_mask(nv, k) & static_cast<__mmask16>(~visible_mask(from[i], k));
             x[k] = _mm512_load_ps(w.s + i * kKeys + 16 * k);
             vmax = _mm512_mask_max_ps(vmax, mk[k], vmax, x[k]);
         }
@@ -384,195 +370,81 @@ void attend_rows(const uint16_t* q, const int64_t* visible, float scale2, Work<D
 inline float row_sum(const float* l) { return _mm512_reduce_add_ps(_mm512_load_ps(l)); }
 
 template <int64_t D>
-inline void reset_state(float* o, float* m, float* l, int64_t rows) {
-    for (int64_t i = 0; i < rows * D; i++) o[i] = 0.0f;
-    for (int64_t i = 0; i < rows; i++) m[i] = -INFINITY;
-    for (int64_t i = 0; i < rows * 16; i++) l[i] = 0.0f;
-}
-
-template <int64_t D>
 struct Layout {
     // Floats of scratch, each part 64-byte aligned, in order: qs [H][Rq][D] bfloat16 (the rows
     // of each head, zero past R: a 16-row tile may start at any row); shared out [H][Rp][D] and
-    // lse [H][Rp]; per (head, split) shared states o [Rp][D], m [Rp], l [Rp][16]; per thread a Work
-    // and an own task's o [kOwnRows][D], m [kOwnRows], l [kOwnRows][16].
+    // lse [H][Rp]; per (head, split) the shared part's results (States of Rp rows, each row's sum
+    // in 16 lanes); per thread a Work and an own task's results (States of kOwnRows rows).
     int64_t H, R, threads;
     int64_t Rp() const { return round16(R); }
     int64_t Rq() const { return round16(R) + kRows; }
-    int64_t state() const { return Rp() * D + Rp() + 16 * Rp(); }
-    static int64_t thread_work() { return round16(Work<D>::kFloats + kOwnRows * D + 17 * kOwnRows); }
+    int64_t state() const { return States<D, 16>::numel(Rp()); }
+    static int64_t thread_work() { return round16(Work<D>::kFloats + States<D, 16>::numel(kOwnRows)); }
     int64_t qs() const { return round16(H * Rq() * D / 2); }
     int64_t numel() const {
         return qs() + H * Rp() * D + H * Rp() + H * threads * state() + threads * thread_work();
     }
 };
 
-// The shared blocks: every row of every head against keys [0, L) of ctx, in `threads` key ranges
-// (one task per range, over every head), merged into out [H][Rp][D] and lse [H][Rp] (log2).
 template <class Unit, int64_t D>
-void shared_part(const uint16_t* qs, const Layout<D>& lay, const Context& ctx, int64_t L,
-                 float scale2, float* states, float* works, float* out, float* lse) {
-    const int64_t H = lay.H, R = lay.R, Rp = lay.Rp(), Rq = lay.Rq(), splits = lay.threads;
-    const int64_t state = lay.state();
-    const int64_t range = ((L + splits - 1) / splits + kKeys - 1) / kKeys * kKeys;
-    #pragma omp parallel for schedule(static) num_threads(lay.threads)
-    for (int64_t sp = 0; sp < splits; sp++) {
-        Unit::begin();
-        const int64_t k0 = sp * range, k1 = (sp + 1) * range < L ? (sp + 1) * range : L;
-        Work<D> w(works + sp * lay.thread_work());
-        for (int64_t h = 0; h < H; h++) {
-            float* o = states + (h * splits + sp) * state;
-            reset_state<D>(o, o + Rp * D, o + Rp * D + Rp, Rp);
-        }
-        for (int64_t t0 = k0; t0 < k1; t0 += kKeys) {
-            const int64_t nk = k1 - t0 < kKeys ? k1 - t0 : kKeys;
-            int64_t visible[kRows];
-            for (int64_t h = 0; h < H; h++) {
-                load_tile<D>(ctx, h, t0, nk, w);
-                float* o = states + (h * splits + sp) * state;
-                for (int64_t r0 = 0; r0 < R; r0 += kRows) {
-                    for (int64_t i = 0; i < kRows; i++) visible[i] = r0 + i < R ? nk : 0;
-                    attend_rows<Unit, D>(qs + (h * Rq + r0) * D, visible, scale2, w, o + r0 * D,
-                                   o + Rp * D + r0, o + Rp * D + Rp + 16 * r0);
-                }
-            }
-        }
-        Unit::end();
-    }
-    #pragma omp parallel for schedule(static) num_threads(lay.threads)
-    for (int64_t hr = 0; hr < H * R; hr++) {
-        const int64_t h = hr / R, r = hr % R;
-        float max = -INFINITY;
-        for (int64_t sp = 0; sp < splits; sp++) {
-            const float mm = states[(h * splits + sp) * state + Rp * D + r];
-            max = mm > max ? mm : max;
-        }
-        float total = 0.0f;
-        alignas(64) float acc[D] = {};
-        for (int64_t sp = 0; sp < splits; sp++) {
-            const float* st = states + (h * splits + sp) * state;
-            const float l = row_sum(st + Rp * D + Rp + 16 * r);
-            if (l == 0.0f) continue;  // an empty range
-            const float f = exp2f(st[Rp * D + r] - max);
-            total += l * f;
-            for (int64_t d = 0; d < D; d++) acc[d] += st[r * D + d] * f;
-        }
-        for (int64_t d = 0; d < D; d++) out[(h * Rp + r) * D + d] = acc[d] / total;
-        lse[h * Rp + r] = max + log2f(total);
-    }
-}
-
-// torch's rounding to bfloat16: to nearest, ties to even, NaN to 0x7FC0 (vcvtneps2bf16 would
-// flush denormals).
-inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-template <class Unit, int64_t D>
-void paged_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                     int64_t bs, int64_t H, int64_t G, int64_t n, int64_t nq,
-                     const int64_t* shared_blocks, int64_t num_shared, const int64_t* own_blocks,
-                     int64_t num_own, const int64_t* positions, float scale, int64_t threads,
-                     float* scratch, uint16_t* out) {
-    const int64_t Rb = nq * G;  // rows per head of one sequence
-    const Layout<D> lay{H, n * Rb, threads};
-    const float scale2 = scale * 1.44269504088896341f;  // the softmax in powers of 2
-    const int64_t R = lay.R, Rp = lay.Rp(), Rq = lay.Rq(), ldk = H * D, shared_len = num_shared * bs;
-    uint16_t* qs = reinterpret_cast<uint16_t*>(scratch);
-    float* shared_out = scratch + lay.qs();
+void paged_attention(const Args<uint16_t>& a) {
+    const Layout<D> lay{a.H, a.R(), a.threads};
+    const int64_t R = lay.R, Rp = lay.Rp(), Rq = lay.Rq(), H = a.H, splits = a.threads;
+    const float scale2 = a.scale2();
+    uint16_t* qs = reinterpret_cast<uint16_t*>(a.scratch);
+    float* shared_out = a.scratch + lay.qs();
     float* shared_lse = shared_out + H * Rp * D;
     float* states = shared_lse + H * Rp;
-    float* works = states + H * threads * lay.state();
-    // qs[h][r] = q[b][i][h * G + g] for row r = (b * nq + i) * G + g; zeros past R.
-    for (int64_t h = 0; h < H; h++) {
-        for (int64_t r = 0; r < R; r++) {
-            const uint16_t* src = q + ((r / G) * H * G + h * G + r % G) * D;
-            uint16_t* dst = qs + (h * Rq + r) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] = src[d];
-        }
-        for (int64_t i = R * D; i < Rq * D; i++) qs[h * Rq * D + i] = 0;
-    }
-    if (num_shared > 0) {
-        const Context ctx{k_cache, v_cache, shared_blocks, bs, ldk};
-        shared_part<Unit, D>(qs, lay, ctx, shared_len, scale2, states, works, shared_out, shared_lse);
-    }
-    // The own blocks: one task per (sequence, head, block of kOwnRows rows), causal.
-    const int64_t row_blocks = (Rb + kOwnRows - 1) / kOwnRows;
-    #pragma omp parallel num_threads(threads)
-    {
-        Unit::begin();
-        float* base = works + omp_get_thread_num() * lay.thread_work();
-        Work<D> w(base);
-        float* o = base + Work<D>::kFloats;
-        float* m = o + kOwnRows * D;
-        float* l = m + kOwnRows;
-        int64_t limits[kOwnRows + kRows];
-        int64_t visible[kRows];
-        #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < n * H * row_blocks; task++) {
-            const int64_t b = task / (H * row_blocks), h = task / row_blocks % H;
-            const int64_t r0 = task % row_blocks * kOwnRows;
-            const int64_t rows = Rb - r0 < kOwnRows ? Rb - r0 : kOwnRows;
-            const Context ctx{k_cache, v_cache, own_blocks + b * num_own, bs, ldk};
-            // Row r0 + i's query, at position p, sees the own keys before p + 1 - shared_len;
-            // the rows of a 16-row tile past this task's rows see none.
-            for (int64_t i = 0; i < kOwnRows + kRows; i++)
-                limits[i] = i < rows ? positions[b * nq + (r0 + i) / G] + 1 - shared_len : 0;
-            reset_state<D>(o, m, l, round16(rows));
-            const uint16_t* qrows = qs + (h * Rq + b * Rb + r0) * D;
-            const int64_t end = limits[rows - 1];  // positions ascend: the last row sees most
-            for (int64_t t0 = 0; t0 < end; t0 += kKeys) {
-                const int64_t nk = end - t0 < kKeys ? end - t0 : kKeys;
+    float* works = states + H * splits * lay.state();
+    gather_queries<D>(a, qs, Rq, [](uint16_t x) { return x; });
+    const auto sum = [](const float* l) { return row_sum(l); };
+    if (a.num_shared > 0) {
+        const Context<uint16_t> ctx{a.k_cache, a.v_cache, a.shared_blocks, a.bs, H * D};
+        const States<D, 16> st{states, Rp};
+        const auto tile = [&](int64_t sp, int64_t t0, int64_t nk) {
+            Work<D> w(works + sp * lay.thread_work());
+            int64_t from[kRows] = {}, visible[kRows];
+            for (int64_t h = 0; h < H; h++) {
                 load_tile<D>(ctx, h, t0, nk, w);
-                for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-                    const int64_t last = rows - i0 < kRows ? rows - 1 : i0 + kRows - 1;
-                    if (limits[last] <= t0) continue;  // the mask hides the tile from every row
-                    for (int64_t i = 0; i < kRows; i++) {
-                        const int64_t seen = limits[i0 + i] - t0;
-                        visible[i] = seen < 0 ? 0 : seen < nk ? seen : nk;
-                    }
-                    attend_rows<Unit, D>(qrows + i0 * D, visible, scale2, w, o + i0 * D, m + i0, l + 16 * i0);
+                const int64_t slot = h * splits + sp;
+                for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+                    for (int64_t i = 0; i < kRows; i++) visible[i] = r0 + i < R ? nk : 0;
+                    attend_rows<Unit, D>(qs + (h * Rq + r0) * D, from, visible, scale2, w,
+                                         st.o(slot) + r0 * D, st.m(slot) + r0, st.l(slot) + 16 * r0);
                 }
             }
-            // Merge with the shared part through the log-sum-exps, into out's layout.
-            for (int64_t i = 0; i < rows; i++) {
-                const int64_t r = b * Rb + r0 + i;
-                uint16_t* dst = out + ((r / G) * H * G + h * G + r % G) * D;
-                float own_w = 1.0f, shared_w = 0.0f;
-                const float* so = shared_out + (h * Rp + r) * D;
-                if (num_shared > 0) {
-                    const float s_lse = shared_lse[h * Rp + r];
-                    const float mx = m[i] > s_lse ? m[i] : s_lse;
-                    own_w = exp2f(m[i] - mx);
-                    shared_w = exp2f(s_lse - mx);
-                }
-                const float inv = 1.0f / (row_sum(l + 16 * i) * own_w + shared_w);
-                for (int64_t d = 0; d < D; d++)
-                    dst[d] = round_bf16((o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
-            }
-        }
-        Unit::end();
+        };
+        split_merge<Unit, kKeys>(H, R, a.shared_len(), splits, st, tile, sum, shared_out, shared_lse);
     }
+    const auto own_tile = [&](const OwnTask<D, 16, uint16_t>& t, int64_t t0, int64_t nk) {
+        Work<D> w(t.scratch);
+        load_tile<D>(t.ctx, t.h, t0, nk, w);
+        const uint16_t* q = qs + (t.h * Rq + t.b * a.Rb() + t.r0) * D;
+        int64_t from[kRows], visible[kRows];
+        for (int64_t i0 = 0; i0 < t.rows; i0 += kRows) {
+            const int64_t last = t.rows - i0 < kRows ? t.rows - 1 : i0 + kRows - 1;
+            if (t.limits[last] <= t0) continue;  // the mask hides the tile from every row
+            if (t.firsts[i0] >= t0 + nk) break;  // every row's window starts after the tile
+            for (int64_t i = 0; i < kRows; i++) {
+                const int64_t seen = t.limits[i0 + i] - t0, skipped = t.firsts[i0 + i] - t0;
+                visible[i] = seen < 0 ? 0 : seen < nk ? seen : nk;
+                from[i] = skipped < 0 ? 0 : skipped;
+                if (from[i] >= visible[i]) from[i] = visible[i] = 0;  // sees none of the tile
+            }
+            attend_rows<Unit, D>(q + i0 * D, from, visible, scale2, w, t.st.o(0) + i0 * D,
+                                 t.st.m(0) + i0, t.st.l(0) + 16 * i0);
+        }
+    };
+    own_part<Unit, kKeys, kOwnRows, D, 16>(a, works, lay.thread_work(), Work<D>::kFloats, shared_out,
+                                           shared_lse, Rp, own_tile, sum);
 }
 
 template <class Unit>
-int paged_attention_on(int64_t head_dim, const uint16_t* q, const uint16_t* k_cache,
-                       const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G, int64_t n,
-                       int64_t nq, const int64_t* shared_blocks, int64_t num_shared,
-                       const int64_t* own_blocks, int64_t num_own, const int64_t* positions,
-                       float scale, int64_t threads, float* scratch, uint16_t* out) {
-    if (head_dim == 64)
-        paged_attention<Unit, 64>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                                  own_blocks, num_own, positions, scale, threads, scratch, out);
-    else if (head_dim == 128)
-        paged_attention<Unit, 128>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                                   own_blocks, num_own, positions, scale, threads, scratch, out);
-    else
-        return 1;
-    return 0;
+int paged_attention_on(int64_t head_dim, const Args<uint16_t>& a) {
+    return with_head_dim(head_dim, 1, [&](auto d) {
+        paged_attention<Unit, decltype(d)::value>(a);
+        return 0;
+    });
 }
 
 }  // namespace
@@ -596,9 +468,9 @@ int64_t spyre_paged_attention_dot_bf16_scratch_numel(int64_t head_dim, int64_t H
 #ifndef SPYRE_DOT_BF16
     return -1;
 #else
-    if (head_dim == 64) return Layout<64>{H, rows, threads}.numel();
-    if (head_dim == 128) return Layout<128>{H, rows, threads}.numel();
-    return -1;
+    return with_head_dim(head_dim, int64_t{-1}, [&](auto d) {
+        return Layout<decltype(d)::value>{H, rows, threads}.numel();
+    });
 #endif
 }
 
@@ -609,14 +481,14 @@ int spyre_paged_attention_amx(int64_t head_dim, const uint16_t* q, const uint16_
                               const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G,
                               int64_t n, int64_t nq, const int64_t* shared_blocks,
                               int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
-                              const int64_t* positions, float scale, int64_t threads,
-                              float* scratch, uint16_t* out) {
+                              const int64_t* positions, int64_t window, float scale,
+                              int64_t threads, float* scratch, uint16_t* out) {
 #ifndef SPYRE_DOT_BF16
     return 2;
 #else
-    return paged_attention_on<Amx>(head_dim, q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks,
-                                   num_shared, own_blocks, num_own, positions, scale, threads,
-                                   scratch, out);
+    const Args<uint16_t> a{q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                           own_blocks, num_own, positions, window, scale, threads, scratch, out};
+    return paged_attention_on<Amx>(head_dim, a);
 #endif
 }
 
@@ -625,14 +497,14 @@ int spyre_paged_attention_avx512_bf16(int64_t head_dim, const uint16_t* q, const
                                       const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G,
                                       int64_t n, int64_t nq, const int64_t* shared_blocks,
                                       int64_t num_shared, const int64_t* own_blocks,
-                                      int64_t num_own, const int64_t* positions, float scale,
-                                      int64_t threads, float* scratch, uint16_t* out) {
+                                      int64_t num_own, const int64_t* positions, int64_t window,
+                                      float scale, int64_t threads, float* scratch, uint16_t* out) {
 #ifndef SPYRE_DOT_BF16
     return 2;
 #else
-    return paged_attention_on<Avx512Bf16>(head_dim, q, k_cache, v_cache, bs, H, G, n, nq,
-                                          shared_blocks, num_shared, own_blocks, num_own,
-                                          positions, scale, threads, scratch, out);
+    const Args<uint16_t> a{q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                           own_blocks, num_own, positions, window, scale, threads, scratch, out};
+    return paged_attention_on<Avx512Bf16>(head_dim, a);
 #endif
 }
 

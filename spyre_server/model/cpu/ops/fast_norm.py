@@ -1,8 +1,8 @@
 """fms's RMS norm as one aten op.
 
 fms's ``LayerNormParameterized`` normalizes with seven tensor ops from Python (upcast, pow,
-mean, add, rsqrt, two products); a decode step runs 61 of them, and each op costs a few
-microseconds whatever its size. ``FastRMSNorm`` computes the same through ``F.rms_norm``,
+mean, add, rsqrt, two products); a step runs two norms per layer and one more, and each op has a
+fixed cost whatever its size. ``FastRMSNorm`` computes the same through ``F.rms_norm``,
 which gives the same bits: in float32 directly, and for lower precisions (fms upcasts when
 ``use_high_precision_pow``) on the upcast input, scaled by the weight after the downcast as fms
 does. Any other configuration (a mean, a shift, no scale, or a low-precision pow) goes through

@@ -2,13 +2,11 @@
 
 ``F.linear`` hands every call to MKL's sgemm, which packs the weight into its own blocked layout
 again at every call; at the few rows of a decode step that repacking, not the arithmetic, is
-most of the time (SmolLM2, batch 8, 2 cores: 65 ms for the 120 projections of a step against
-38 ms prepacked; ``bench/bench_engine.py --linear-kernel`` and ``bench/bench_kernels.py`` measure
-it, RESULTS.md has the numbers). Packing the weights once into oneDNN's layout (what inductor's
-CPU freezing does) removes it.
+most of the time. Packing the weights once into oneDNN's layout (what inductor's CPU freezing
+does) removes it (``bench/bench_kernels.py`` measures both).
 
 ``pack_linears`` swaps a model's ``nn.Linear`` modules in place for ``PackedLinear`` (on the cpu
-backend's own copy of the model, see ``cpu_model.py``). The packed weight is an opaque oneDNN
+backend's own copy of the model, see ``prepare.py``). The packed weight is an opaque oneDNN
 tensor, so a packed model is for inference on the CPU only. A tied LM head is packed as a copy:
 the token embedding keeps its tensor.
 """
@@ -20,7 +18,7 @@ from collections.abc import Callable
 import torch
 from fms.modules.head import LinearClassificationHead
 
-from spyre_server.model.loading import ModelLoadError
+from spyre_server.model.cpu.errors import LinearKernelError
 
 _PACKABLE = (torch.nn.Linear, LinearClassificationHead)
 """Types whose forward is exactly ``F.linear(x, weight, bias)``; subclasses that do more (tensor
@@ -47,10 +45,6 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
-
-
-class LinearKernelError(ModelLoadError):
-    """The configured linear kernel cannot run on this torch build."""
 
 
 def check_onednn(dtype: torch.dtype) -> None:

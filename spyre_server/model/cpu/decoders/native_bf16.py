@@ -1,63 +1,43 @@
-"""A whole cpu step of an fms LLaMA in bfloat16: the projections on their modules (oneDNN on
-CPUs with AMX or AVX512-BF16, where bfloat16 is the default dtype), everything between them in
-one native call per gap.
+"""The native bfloat16 decoder: a whole cpu step of an fms decoder in bfloat16, the projections
+on their modules (oneDNN on CPUs with AMX or AVX512-BF16, where bfloat16 is the default dtype),
+everything between them in one native call per gap.
 
-Between a layer's four projections the aten decoder still runs ~20 tensor ops and 5 native
-calls per layer (a norm, a split, two rotations, two KV copies, the attention, two residual
-adds, the GLU's activation), each a few microseconds of dispatch on SmolLM2's small rows.
 ``NativeBf16Decoder`` runs per layer: the QKV projection; one call that rotates the queries and
 writes the rotated keys and the values into their cache slots (``rope_store_bf16``); the
 attention; the dense projection; one call for the residual add and the next norm
 (``add_rms_norm_bf16``); the gate/up projection; the SiLU-and-multiply; the down projection; and
-again the add with the next layer's norm. The kernels round where fms's ops round, so the logits
-and KV writes are the same bits as fms's forward over the same modules (tested step by step).
+again the add with the next layer's norm. Where the family scales a projection's output before
+the add (Granite's residual multiplier), the scaling is fms's own tensor op on that output. The
+kernels round where fms's ops round, so the logits and KV writes are the same bits as fms's
+forward over the same modules (tested step by step).
+
+It covers the models the native decoder does (``native.native_modules_reason``: fms's LLaMA,
+Granite and Mistral with fused QKV and GLU weights), in bfloat16.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from spyre_server.model.aten_decoder import Project, StepShape
-from spyre_server.model.native_decoder import checked_slots, native_modules_reason
-from spyre_server.model.native_elementwise import NativeRMSNorm
-from spyre_server.model.native_kernels import NativeKernels
-from spyre_server.model.paged_attention import (
+from spyre_server.model.cpu.decoders.base import (
+    Decoder,
+    Glu,
+    Layer,
+    NormWeight,
+    Project,
+    bound_forward,
+    fused_glu,
+    fused_qkv,
+)
+from spyre_server.model.cpu.decoders.native import checked_slots, native_modules_reason
+from spyre_server.model.cpu.kernels.library import NativeKernels
+from spyre_server.model.cpu.ops.native_elementwise import NativeRMSNorm
+from spyre_server.model.cpu.paged_attention import (
     AttentionPlan,
     PagedAttentionKernel,
     attend,
 )
 from spyre_server.model.runner import KVCaches
-
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    """A decoder layer as the step calls it: the projections' bound forwards, the norms' weight
-    pointers and epsilons."""
-
-    attn_norm: int
-    attn_eps: float
-    qkv: Project
-    dense: Project
-    ff_norm: int
-    ff_eps: float
-    gate_up: Project
-    down: Project
-
-    @classmethod
-    def of(cls, layer: torch.nn.Module) -> _Layer:
-        ff = layer.ff_sub_layer
-        return cls(
-            layer.ln.weight.data_ptr(),
-            layer.ln.eps,
-            layer.attn.in_proj.qkv_fused.forward,
-            layer.attn.dense.forward,
-            layer.ff_ln.weight.data_ptr(),
-            layer.ff_ln.eps,
-            ff.wg1_fused.forward,
-            ff.w2.forward,
-        )
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -76,57 +56,54 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-class NativeBf16Decoder:
-    """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
-    logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
-    ``paged_attention_kwargs(slot_mapping, plan, attention)`` and ``use_cache=True`` computes
-    them, writing the same KV; None for ``last_n_tokens`` 0 (the KV only: a chunk that samples
-    nothing, whose LM head would be wasted)."""
+class NativeBf16Decoder(Decoder[NormWeight, Project, Project, Glu[Project]]):
+    """The step in bfloat16: the projections are their modules' bound forwards, the norms what
+    the native kernels take."""
+
+    _unsupported_reason = staticmethod(unsupported_reason)
 
     def __init__(
         self, model: torch.nn.Module, attention: PagedAttentionKernel | None = None
     ) -> None:
-        if (reason := unsupported_reason(model)) is not None:
-            raise ValueError(f"NativeBf16Decoder cannot run this model: {reason}")
-        base = model.base_model
-        self._model = model
-        self._attention = attention
-        self._shape = StepShape.of(model)
-        self._layers = [_Layer.of(layer) for layer in base.layers]
-        dec_norm: NativeRMSNorm = base.dec_norm
+        super().__init__(model, attention)
+        dec_norm: NativeRMSNorm = model.base_model.dec_norm
         self._kernels: NativeKernels = dec_norm.native_kernels
 
-    def __call__(
+    @staticmethod
+    def _layer(layer: torch.nn.Module) -> Layer[NormWeight, Project, Project, Glu[Project]]:
+        return Layer.of(
+            layer, NormWeight.of, fused_qkv(bound_forward), bound_forward, fused_glu(bound_forward)
+        )
+
+    def _residual_stream(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         slot_mapping: torch.Tensor,
         plan: AttentionPlan,
         kv_caches: KVCaches,
-        last_n_tokens: int,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         batch, seq = input_ids.shape
         tokens = batch * seq
         k, shape = self._kernels, self._shape
         hidden_dim, mlp_dim = shape.hidden_dim, shape.mlp_dim
         heads, kvheads, head_dim = shape.nheads, shape.kvheads, shape.head_dim
         slots = checked_slots(slot_mapping, tokens, kv_caches, kvheads, head_dim, torch.bfloat16)
+        residual = self._scalars.residual
         # The residual stream, updated in place (the embedding's output is a new tensor).
-        x = self._model.base_model.embedding(input_ids).reshape(tokens, hidden_dim)
+        x = self._embed(input_ids).reshape(tokens, hidden_dim)
         normed = torch.empty(tokens, hidden_dim, dtype=torch.bfloat16)
         queries = torch.empty(batch, seq, heads, head_dim, dtype=torch.bfloat16)
         activated = torch.empty(tokens, mlp_dim, dtype=torch.bfloat16)
         cos, signed_sin = shape.rope._tables(x.device, position_ids)
         x_ptr, normed_ptr, slots_ptr = x.data_ptr(), normed.data_ptr(), slots.data_ptr()
         cos_ptr, sin_ptr, queries_ptr = cos.data_ptr(), signed_sin.data_ptr(), queries.data_ptr()
-        first = self._layers[0]
-        k.rms_norm_bf16(
-            x_ptr, hidden_dim, first.attn_norm, normed_ptr, tokens, hidden_dim, first.attn_eps
-        )
+        first = self._layers[0].attn_norm
+        k.rms_norm_bf16(x_ptr, hidden_dim, first.weight, normed_ptr, tokens, hidden_dim, first.eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(
             zip(self._layers, kv_caches, strict=True)
         ):
-            # x + attention(norm(x)), as fms's LLaMABlock: QKV, RoPE, KV store, attention, dense.
+            # x + attention(norm(x)), as the family's block: QKV, RoPE, KV store, attention, dense.
             qkv = layer.qkv(normed)
             k.rope_store_bf16(
                 qkv.data_ptr(),
@@ -146,22 +123,23 @@ class NativeBf16Decoder:
                 queries, key_cache, value_cache, plan, shape.scale_factor, self._attention
             )
             out = layer.dense(attended.view(tokens, heads * head_dim))
+            if residual is not None:
+                out.mul_(residual)  # fms's ``out * residual + x``: rounded before the add
+            ff_norm, glu = layer.ff_norm, layer.feed_forward
             k.add_rms_norm_bf16(
-                x_ptr, out.data_ptr(), layer.ff_norm, normed_ptr, tokens, hidden_dim, layer.ff_eps
+                x_ptr, out.data_ptr(), ff_norm.weight, normed_ptr, tokens, hidden_dim, ff_norm.eps
             )
             # x + GLU(norm(x)), then the next layer's norm.
-            gate_up = layer.gate_up(normed)
+            gate_up = glu.gate_up(normed)
             k.silu_mul_bf16(gate_up.data_ptr(), activated.data_ptr(), tokens, mlp_dim)
-            out = layer.down(activated)
+            out = glu.down(activated)
+            if residual is not None:
+                out.mul_(residual)
             if i + 1 < len(self._layers):
-                after = self._layers[i + 1]
+                after = self._layers[i + 1].attn_norm
                 k.add_rms_norm_bf16(
-                    x_ptr, out.data_ptr(), after.attn_norm, normed_ptr, tokens, hidden_dim,
-                    after.attn_eps,
-                )  # fmt: skip
+                    x_ptr, out.data_ptr(), after.weight, normed_ptr, tokens, hidden_dim, after.eps
+                )
             else:
                 x += out
-        if last_n_tokens == 0:
-            return None
-        last = x.view(batch, seq, hidden_dim)[:, seq - last_n_tokens :]
-        return self._model.head(self._model.base_model.dec_norm(last))
+        return x.view(batch, seq, hidden_dim)

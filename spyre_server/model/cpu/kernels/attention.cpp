@@ -4,26 +4,19 @@
 // bfloat16 (a model in bfloat16); the compute is float32 either way (bfloat16 values are widened
 // as they are loaded, the output rounded once at the end).
 //
-// Two parts, merged exactly through their log-sum-exps (in log2 units: a probability is
-// 2^(score * scale2 - max), scale2 the attention scale times log2(e)):
-// - the shared blocks (keys wholly before every query, no mask, read once for every row): the
-//   keys in `threads` contiguous ranges, one task per range covering every KV head (the cache
-//   interleaves the heads, so a task reads its range's memory once, in order); each task keeps
-//   an online softmax (running max m, sum l, unnormalized output o) per row and head, and the
-//   ranges are merged at the end. SDPA's flash kernel splits by query blocks and heads only: a
-//   decode step with 3 KV heads is 3 tasks for 2 threads, with the keys read per head;
-// - each sequence's own blocks, causal: one task per (sequence, head, 48 rows), a tile's rows
-//   that the mask hides it from wholly skipped.
-// Per tile of 48 keys, its key and value rows are first read in order (touch_rows); then per
-// head the keys are transposed into [head_dim][48] (8 x 8 AVX transposes), scores = q . k^T by
-// the 4 x 24 register block of linear_f32.cpp, then the softmax, then o += p . v with 3 rows x 32
-// dims in registers. On CPUs with AVX512F the same steps run 512 bits wide, with the same bits
-// (attend_tile512; model.native_avx512).
+// The two parts (the shared blocks split across threads, each sequence's own blocks causal) and
+// their merges are attention_common.h's. Here a tile is 48 keys: its key and value rows are first
+// read in order (touch_rows); then per head the keys are transposed into [head_dim][48] (8 x 8
+// AVX transposes), scores = q . k^T by the 4 x 24 register block of linear_f32.cpp, then the
+// online softmax, then o += p . v with 3 rows x 32 dims in registers; a tile's rows that the
+// causal mask (or a sliding window) hides it from are skipped. On CPUs with AVX512F the same steps run 512 bits wide
+// where the call allows it, with the same bits (attend_tile512; model.native_avx512).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
+#include "attention_common.h"
 #include "avx2_math.h"
 #include "bf16_avx2.h"
 #include "native_avx512.h"
@@ -32,6 +25,7 @@
 
 namespace {
 
+using namespace spyre_attention;
 using spyre_avx2::hmax;
 using spyre_avx2::hsum;
 
@@ -40,16 +34,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return spyre_bf16::load8(p); }
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) { return spyre_bf16::widen(x); }
-template <typename T>
-inline T from_float(float x);
-template <>
-inline float from_float<float>(float x) { return x; }
-template <>
-inline uint16_t from_float<uint16_t>(float x) { return spyre_bf16::round_bf16(x); }
 
 constexpr int64_t kTile = 48;  // keys per tile: two 24-key column blocks
-
-inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+constexpr int64_t kOwnRows = 48;  // rows per task of the own blocks' part
 
 // dst[0..8)[0..8) (row stride ldd, 32-byte aligned) = the transpose of rows[0..8)[d..d+8).
 template <typename T>
@@ -116,9 +103,10 @@ inline void weighted_values(const float* __restrict p, const T* const* vrows, in
     }
 }
 
-// On CPUs with AVX512F (while spyre_native_avx512_enabled) the products and the softmax run 512
-// bits wide (attend_tile512): the same sums in the same order per output, so the same bits as
-// the AVX2 code; with 32 registers the products take 8 and 6 rows per block instead of 4 and 3.
+// On CPUs with AVX512F, where the call allows it (its avx512 argument), the products and the
+// softmax run 512 bits wide (attend_tile512): the same sums in the same order per output, so the
+// same bits as the AVX2 code; with 32 registers the products take 8 and 6 rows per block instead
+// of 4 and 3.
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
 
 AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -170,7 +158,7 @@ AVX512 inline void weighted_values512(const float* __restrict p, const T* const*
 }
 
 // 2^y for y in [-125, 0] (y clamped into it): Cephes' exp2f polynomial on [-1/2, 1/2], relative
-// error under 1e-7 (8e-8 measured); 2^-125 is 0 to float32 precision next to a row's max (1).
+// error under 1e-7; 2^-125 is 0 to float32 precision next to a row's max (1).
 inline __m256 exp2_clamped(__m256 y) {
     y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-125.0f)), _mm256_setzero_ps());
     const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -193,20 +181,27 @@ inline __m256 first_keys(int64_t nk, int64_t j) {
                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-// Folds a row's tile of scores s (the first nk of them) into its running max m and sum l, in
+// Lanes j..j+7 of a tile that are not among its first lo keys, as an all-ones mask per lane.
+inline __m256 keys_from(int64_t lo, int64_t j) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                  _mm256_set1_epi32(static_cast<int>(lo - j - 1))));
+}
+
+// Folds a row's tile of scores s (those of keys [lo, nk)) into its running max m and sum l, in
 // log2 units (scale2: the attention scale times log2(e)), and rescales its o; s becomes the
-// tile's probabilities 2^(scale2 * s - m) (0 past nk; all 0 and the state untouched for nk <= 0,
-// a row the causal mask hides the whole tile from).
+// tile's probabilities 2^(scale2 * s - m) (0 outside [lo, nk); all 0 and the state untouched for
+// nk <= lo, a row the causal mask or its window hides the whole tile from).
 template <int64_t D>
-inline void softmax_tile(float* s, int64_t nk, float scale2, float* m, float* l, float* o) {
-    if (nk <= 0) {
+inline void softmax_tile(float* s, int64_t lo, int64_t nk, float scale2, float* m, float* l, float* o) {
+    if (nk <= lo) {
         for (int64_t j = 0; j < kTile; j++) s[j] = 0.0f;
         return;
     }
     const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
     __m256 vmax = minus_inf;
     for (int64_t j = 0; j < kTile; j += 8) {
-        const __m256 x = _mm256_load_ps(s + j);
+        __m256 x = _mm256_load_ps(s + j);
+        if (lo > j) x = _mm256_blendv_ps(minus_inf, x, keys_from(lo, j));
         vmax = _mm256_max_ps(vmax, j + 8 > nk ? _mm256_blendv_ps(minus_inf, x, first_keys(nk, j)) : x);
     }
     const float tile_max = hmax(vmax) * scale2;  // scale2 > 0: the scaled scores' max
@@ -217,7 +212,8 @@ inline void softmax_tile(float* s, int64_t nk, float scale2, float* m, float* l,
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = 0; j < kTile; j += 8) {
         const __m256 e = exp2_clamped(_mm256_fmsub_ps(_mm256_load_ps(s + j), vscale, vnew));
-        const __m256 kept = j + 8 > nk ? _mm256_and_ps(e, first_keys(nk, j)) : e;
+        __m256 kept = j + 8 > nk ? _mm256_and_ps(e, first_keys(nk, j)) : e;
+        if (lo > j) kept = _mm256_and_ps(kept, keys_from(lo, j));
         _mm256_store_ps(s + j, kept);
         vsum = _mm256_add_ps(vsum, kept);
     }
@@ -228,17 +224,6 @@ inline void softmax_tile(float* s, int64_t nk, float scale2, float* m, float* l,
         for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(o + d, _mm256_mul_ps(_mm256_load_ps(o + d), vr));
     }
 }
-
-// Where a context's keys and values live in the cache [num_blocks][bs][H][D]: the context's key
-// j of head h at (blocks[j / bs] * bs + j % bs) * ldk + h * D.
-template <typename T>
-struct Context {
-    const T* k;
-    const T* v;
-    const int64_t* blocks;
-    int64_t bs;
-    int64_t ldk;  // H * D
-};
 
 template <int64_t D, typename T>
 struct Work {
@@ -256,20 +241,17 @@ struct Work {
 // Points w's key and value rows at the context's keys [t0, t0 + nk) of head 0.
 template <int64_t D, typename T>
 inline void locate_tile(const Context<T>& ctx, int64_t t0, int64_t nk, Work<D, T>& w) {
-    int64_t block = t0 / ctx.bs, in_block = t0 % ctx.bs;
-    for (int64_t j = 0; j < nk; j++) {
-        const int64_t off = (ctx.blocks[block] * ctx.bs + in_block) * ctx.ldk;
+    ctx.keys(t0, nk, [&](int64_t j, int64_t off) {
         w.krows[j] = ctx.k + off;
         w.vrows[j] = ctx.v + off;
-        if (++in_block == ctx.bs) { in_block = 0; block++; }
-    }
+    });
 }
 
 // Reads the values [off, off + count) of the tile's key and value rows ([0, nk)) in order, one
 // load per cache line, before the compute uses them. The compute reads a head's slice of each
 // row a transposed column or a value row at a time, which leaves most of a decode step's cache
 // misses serial; these loads are independent and in address order, so many are in flight and
-// the hardware prefetcher follows them. Software prefetches did not help (RESULTS.md pass 15).
+// the hardware prefetcher follows them.
 template <typename T>
 inline void touch_rows(const T* const* krows, const T* const* vrows, int64_t nk, int64_t off,
                        int64_t count) {
@@ -314,8 +296,9 @@ AVX512 inline __m512 exp2_clamped512(__m512 y) {
 // softmax_tile on 16 lanes, the same bits: the sum of the probabilities is taken 8 lanes wide
 // in softmax_tile's order (key blocks of 8 in turn, then hsum).
 template <int64_t D>
-AVX512 inline void softmax_tile512(float* s, int64_t nk, float scale2, float* m, float* l, float* o) {
-    if (nk <= 0) {
+AVX512 inline void softmax_tile512(float* s, int64_t lo, int64_t nk, float scale2, float* m, float* l,
+                                   float* o) {
+    if (nk <= lo) {
         for (int64_t j = 0; j < kTile; j++) s[j] = 0.0f;
         return;
     }
@@ -324,8 +307,9 @@ AVX512 inline void softmax_tile512(float* s, int64_t nk, float scale2, float* m,
     __mmask16 valid[3];
     __m512 vmax = minus_inf;
     UNROLL for (int j = 0; j < 3; j++) {
-        const int64_t left = nk - 16 * j;
+        const int64_t left = nk - 16 * j, skipped = lo - 16 * j;
         valid[j] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+        if (skipped > 0) valid[j] &= skipped >= 16 ? __mmask16(0) : __mmask16(~((1u << skipped) - 1));
         x[j] = _mm512_mask_mov_ps(minus_inf, valid[j], _mm512_loadu_ps(s + 16 * j));
         vmax = _mm512_max_ps(vmax, x[j]);
     }
@@ -353,8 +337,8 @@ AVX512 inline void softmax_tile512(float* s, int64_t nk, float scale2, float* m,
 // attend_tile 512 bits wide (see scores512).
 template <int64_t D, typename T>
 AVX512 void attend_tile512(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
-                           const int64_t* limits, float scale2, float* o, float* m, float* l,
-                           Work<D, T>& w) {
+                           const int64_t* firsts, const int64_t* limits, float scale2, float* o,
+                           float* m, float* l, Work<D, T>& w) {
     transpose_keys<D, T>(h, nk, w);
     int64_t r = 0;
     for (; r + 8 <= R; r += 8) scores512<D, 8>(q + r * D, w.kt, w.s + r * kTile);
@@ -367,7 +351,8 @@ AVX512 void attend_tile512(const float* q, int64_t R, int64_t h, int64_t t0, int
     }
     for (int64_t i = 0; i < R; i++) {
         const int64_t row_nk = limits == nullptr ? nk : (limits[i] - t0 < nk ? limits[i] - t0 : nk);
-        softmax_tile512<D>(w.s + i * kTile, row_nk, scale2, m + i, l + i, o + i * D);
+        const int64_t row_lo = firsts == nullptr || firsts[i] < t0 ? 0 : firsts[i] - t0;
+        softmax_tile512<D>(w.s + i * kTile, row_lo, row_nk, scale2, m + i, l + i, o + i * D);
     }
     const int64_t hoff = h * D;
     r = 0;
@@ -381,12 +366,14 @@ AVX512 void attend_tile512(const float* q, int64_t R, int64_t h, int64_t t0, int
 }
 
 // Rows [0, R) of head h (q: [R][D]) against the tile of nk keys (nk <= kTile) locate_tile put
-// in w; row i sees only the keys before limits[i] - t0 of the tile (limits nullptr: all of
-// them). The rows' online-softmax states are o [R][D], m [R], l [R].
+// in w; row i sees only the keys of the tile from firsts[i] - t0 and before limits[i] - t0
+// (firsts nullptr: from the first; limits nullptr: up to the last). The rows' online-softmax
+// states are o [R][D], m [R], l [R]. wide: 512 bits wide.
 template <int64_t D, typename T>
-void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
-                 const int64_t* limits, float scale2, float* o, float* m, float* l, Work<D, T>& w) {
-    if (spyre_native_avx512_enabled) return attend_tile512<D, T>(q, R, h, t0, nk, limits, scale2, o, m, l, w);
+void attend_tile(bool wide, const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
+                 const int64_t* firsts, const int64_t* limits, float scale2, float* o, float* m,
+                 float* l, Work<D, T>& w) {
+    if (wide) return attend_tile512<D, T>(q, R, h, t0, nk, firsts, limits, scale2, o, m, l, w);
     transpose_keys<D, T>(h, nk, w);
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) scores<D, 4>(q + r * D, w.kt, w.s + r * kTile);
@@ -398,7 +385,8 @@ void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
     }
     for (int64_t i = 0; i < R; i++) {
         const int64_t row_nk = limits == nullptr ? nk : (limits[i] - t0 < nk ? limits[i] - t0 : nk);
-        softmax_tile<D>(w.s + i * kTile, row_nk, scale2, m + i, l + i, o + i * D);
+        const int64_t row_lo = firsts == nullptr || firsts[i] < t0 ? 0 : firsts[i] - t0;
+        softmax_tile<D>(w.s + i * kTile, row_lo, row_nk, scale2, m + i, l + i, o + i * D);
     }
     const int64_t hoff = h * D;
     r = 0;
@@ -411,173 +399,74 @@ void attend_tile(const float* q, int64_t R, int64_t h, int64_t t0, int64_t nk,
 }
 
 template <int64_t D>
-inline void reset_state(float* o, float* m, float* l, int64_t R) {
-    for (int64_t i = 0; i < R * D; i++) o[i] = 0.0f;
-    for (int64_t i = 0; i < R; i++) { m[i] = -INFINITY; l[i] = 0.0f; }
-}
-
-constexpr int64_t kOwnRows = 48;  // rows per task of the own blocks' part
-
-template <int64_t D>
 struct Layout {
-    // Floats of scratch, in order: qs [H][R][D]; shared out [H][R][D] and lse [H][round16(R)];
-    // per (head, split) shared states o [R][D], m, l; per thread: a shared Work of R rows, or
-    // an own task's Work, o, m, l of kOwnRows rows.
-    int64_t H, R, splits, threads;
-    int64_t state() const { return R * D + 2 * round16(R); }
+    // Floats of scratch, in order: qs [H][R][D]; shared out [H][Rp][D] and lse [H][Rp]; per
+    // (head, split) the shared part's results (States of Rp rows); per thread: a shared Work of
+    // R rows, or an own task's Work and results of kOwnRows rows.
+    int64_t H, R, threads;
+    int64_t Rp() const { return round16(R); }
+    static int64_t own_offset() { return Work<D, float>::numel(kOwnRows); }
     int64_t thread_work() const {
-        const int64_t own = Work<D, float>::numel(kOwnRows) + kOwnRows * D + 2 * round16(kOwnRows);
+        const int64_t own = own_offset() + States<D, 1>::numel(kOwnRows);
         const int64_t shared = Work<D, float>::numel(R);
         return own > shared ? own : shared;
     }
     int64_t numel() const {
-        return 2 * H * R * D + H * round16(R) + H * splits * state() + threads * thread_work();
+        return H * R * D + H * Rp() * D + H * Rp() + H * threads * States<D, 1>::numel(Rp()) +
+               threads * thread_work();
     }
 };
 
-// The shared blocks: every row of every head against keys [0, L) of ctx, in `splits` key ranges
-// (one task per range, over every head: a range's memory is read once, in order), merged into
-// out [H][R][D] and lse [H][round16(R)].
 template <int64_t D, typename T>
-void shared_part(const float* qs, int64_t H, int64_t R, const Context<T>& ctx, int64_t L, float scale2,
-                 int64_t splits, float* states, float* works, int64_t work_stride, float* out,
-                 float* lse) {
-    const int64_t state = R * D + 2 * round16(R);
-    const int64_t range = ((L + splits - 1) / splits + kTile - 1) / kTile * kTile;
-    #pragma omp parallel for schedule(static)
-    for (int64_t sp = 0; sp < splits; sp++) {
-        const int64_t k0 = sp * range, k1 = (sp + 1) * range < L ? (sp + 1) * range : L;
-        Work<D, T> w(works + sp * work_stride, R);
-        for (int64_t h = 0; h < H; h++) {
-            float* o = states + (h * splits + sp) * state;
-            reset_state<D>(o, o + R * D, o + R * D + round16(R), R);
-        }
-        for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
-            const int64_t nk = k1 - t0 < kTile ? k1 - t0 : kTile;
+void paged_attention(bool wide, const Args<T>& a) {
+    const Layout<D> lay{a.H, a.R(), a.threads};
+    const int64_t R = lay.R, Rp = lay.Rp(), H = a.H, splits = a.threads;
+    const float scale2 = a.scale2();
+    float* qs = a.scratch;
+    float* shared_out = qs + H * R * D;
+    float* shared_lse = shared_out + H * Rp * D;
+    float* states = shared_lse + H * Rp;
+    float* works = states + H * splits * States<D, 1>::numel(Rp);
+    gather_queries<D>(a, qs, R, [](T x) { return to_float(x); });
+    const auto sum = [](const float* l) { return *l; };
+    if (a.num_shared > 0) {
+        const Context<T> ctx{a.k_cache, a.v_cache, a.shared_blocks, a.bs, H * D};
+        const States<D, 1> st{states, Rp};
+        const auto tile = [&](int64_t sp, int64_t t0, int64_t nk) {
+            Work<D, T> w(works + sp * lay.thread_work(), R);
             locate_tile<D, T>(ctx, t0, nk, w);
             touch_rows(w.krows, w.vrows, nk, 0, ctx.ldk);  // every head's: the rows are contiguous
             for (int64_t h = 0; h < H; h++) {
-                float* o = states + (h * splits + sp) * state;
-                attend_tile<D, T>(qs + h * R * D, R, h, t0, nk, nullptr, scale2, o, o + R * D,
-                               o + R * D + round16(R), w);
+                const int64_t slot = h * splits + sp;
+                attend_tile<D, T>(wide, qs + h * R * D, R, h, t0, nk, nullptr, nullptr, scale2,
+                                  st.o(slot), st.m(slot), st.l(slot), w);
             }
-        }
+        };
+        split_merge<NoUnit, kTile>(H, R, a.shared_len(), splits, st, tile, sum, shared_out,
+                                   shared_lse);
     }
-    #pragma omp parallel for schedule(static)
-    for (int64_t hr = 0; hr < H * R; hr++) {
-        const int64_t h = hr / R, r = hr % R;
-        float max = -INFINITY;
-        for (int64_t sp = 0; sp < splits; sp++) {
-            const float mm = states[(h * splits + sp) * state + R * D + r];
-            max = mm > max ? mm : max;
-        }
-        float total = 0.0f;
-        alignas(32) float acc[D] = {};
-        for (int64_t sp = 0; sp < splits; sp++) {
-            const float* st = states + (h * splits + sp) * state;
-            const float l = st[R * D + round16(R) + r];
-            if (l == 0.0f) continue;  // an empty range
-            const float f = exp2f(st[R * D + r] - max);
-            total += l * f;
-            for (int64_t d = 0; d < D; d++) acc[d] += st[r * D + d] * f;
-        }
-        for (int64_t d = 0; d < D; d++) out[hr * D + d] = acc[d] / total;
-        lse[h * round16(R) + r] = max + log2f(total);
-    }
-}
-
-template <int64_t D, typename T>
-void paged_attention(const T* q, const T* k_cache, const T* v_cache, int64_t bs,
-                     int64_t H, int64_t G, int64_t n, int64_t nq, const int64_t* shared_blocks,
-                     int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
-                     const int64_t* positions, float scale, int64_t threads, float* scratch,
-                     T* out) {
-    const int64_t Rb = nq * G;  // rows per head of one sequence
-    const float scale2 = scale * 1.44269504088896341f;  // log2(e): the softmax in log2 units
-    const Layout<D> lay{H, n * Rb, threads, threads};
-    const int64_t R = lay.R, ldk = H * D, shared_len = num_shared * bs;
-    float* qs = scratch;
-    float* shared_out = qs + H * R * D;
-    float* shared_lse = shared_out + H * R * D;
-    float* states = shared_lse + H * round16(R);
-    float* works = states + H * threads * lay.state();
-    // qs[h][r] = q[b][i][h * G + g] for row r = (b * nq + i) * G + g.
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t r = 0; r < R; r++) {
-            const T* src = q + ((r / G) * H * G + h * G + r % G) * D;
-            float* dst = qs + (h * R + r) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] = to_float(src[d]);
-        }
-    if (num_shared > 0) {
-        const Context<T> ctx{k_cache, v_cache, shared_blocks, bs, ldk};
-        shared_part<D, T>(qs, H, R, ctx, shared_len, scale2, threads, states, works, lay.thread_work(),
-                       shared_out, shared_lse);
-    }
-    // The own blocks: one task per (sequence, head, block of kOwnRows rows), causal.
-    const int64_t row_blocks = (Rb + kOwnRows - 1) / kOwnRows;
-    #pragma omp parallel num_threads(threads)
-    {
-        float* base = works + omp_get_thread_num() * lay.thread_work();
-        Work<D, T> w(base, kOwnRows);
-        float* o = base + Work<D, T>::numel(kOwnRows);
-        float* m = o + kOwnRows * D;
-        float* l = m + round16(kOwnRows);
-        int64_t limits[kOwnRows];
-        #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < n * H * row_blocks; task++) {
-            const int64_t b = task / (H * row_blocks), h = task / row_blocks % H;
-            const int64_t r0 = task % row_blocks * kOwnRows;
-            const int64_t rows = Rb - r0 < kOwnRows ? Rb - r0 : kOwnRows;
-            const Context<T> ctx{k_cache, v_cache, own_blocks + b * num_own, bs, ldk};
-            // Row r0 + i's query, at position p, sees the own keys before p + 1 - shared_len.
-            for (int64_t i = 0; i < rows; i++)
-                limits[i] = positions[b * nq + (r0 + i) / G] + 1 - shared_len;
-            reset_state<D>(o, m, l, rows);
-            const float* qrows = qs + (h * R + b * Rb + r0) * D;
-            const int64_t end = limits[rows - 1];  // positions ascend: the last row sees most
-            for (int64_t t0 = 0; t0 < end; t0 += kTile) {
-                const int64_t nk = end - t0 < kTile ? end - t0 : kTile;
-                int64_t first = 0;  // rows the mask hides the whole tile from come first
-                while (limits[first] <= t0) first++;
-                locate_tile<D, T>(ctx, t0, nk, w);
-                touch_rows(w.krows, w.vrows, nk, h * D, D);
-                attend_tile<D, T>(qrows + first * D, rows - first, h, t0, nk, limits + first, scale2,
-                               o + first * D, m + first, l + first, w);
-            }
-            // Merge with the shared part through the log-sum-exps, into out's layout.
-            for (int64_t i = 0; i < rows; i++) {
-                const int64_t r = b * Rb + r0 + i;
-                T* dst = out + ((r / G) * H * G + h * G + r % G) * D;
-                float own_w = 1.0f, shared_w = 0.0f;
-                const float* so = shared_out + (h * R + r) * D;
-                if (num_shared > 0) {
-                    const float s_lse = shared_lse[h * round16(R) + r];
-                    const float mx = m[i] > s_lse ? m[i] : s_lse;
-                    own_w = exp2f(m[i] - mx);
-                    shared_w = exp2f(s_lse - mx);
-                }
-                const float inv = 1.0f / (l[i] * own_w + shared_w);
-                for (int64_t d = 0; d < D; d++)
-                    dst[d] = from_float<T>((o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
-            }
-        }
-    }
+    const auto own_tile = [&](const OwnTask<D, 1, T>& t, int64_t t0, int64_t nk) {
+        int64_t first = 0;  // rows the causal mask hides the whole tile from come first,
+        while (t.limits[first] <= t0) first++;
+        int64_t end = t.rows;  // those whose window starts after it last
+        while (end > first && t.firsts[end - 1] >= t0 + nk) end--;
+        Work<D, T> w(t.scratch, kOwnRows);
+        locate_tile<D, T>(t.ctx, t0, nk, w);
+        touch_rows(w.krows, w.vrows, nk, t.h * D, D);
+        const float* q = qs + (t.h * R + t.b * a.Rb() + t.r0 + first) * D;
+        attend_tile<D, T>(wide, q, end - first, t.h, t0, nk, t.firsts + first, t.limits + first,
+                          scale2, t.st.o(0) + first * D, t.st.m(0) + first, t.st.l(0) + first, w);
+    };
+    own_part<NoUnit, kTile, kOwnRows, D, 1>(a, works, lay.thread_work(), lay.own_offset(),
+                                           shared_out, shared_lse, Rp, own_tile, sum);
 }
 
 template <typename T>
-int dispatch(int64_t head_dim, const T* q, const T* k_cache, const T* v_cache, int64_t bs,
-             int64_t H, int64_t G, int64_t n, int64_t nq, const int64_t* shared_blocks,
-             int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
-             const int64_t* positions, float scale, int64_t threads, float* scratch, T* out) {
-    if (head_dim == 64)
-        paged_attention<64, T>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                               own_blocks, num_own, positions, scale, threads, scratch, out);
-    else if (head_dim == 128)
-        paged_attention<128, T>(q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                                own_blocks, num_own, positions, scale, threads, scratch, out);
-    else
-        return 1;
-    return 0;
+int dispatch(int avx512, int64_t head_dim, const Args<T>& a) {
+    return with_head_dim(head_dim, 1, [&](auto d) {
+        paged_attention<decltype(d)::value, T>(spyre_avx512_wide(avx512), a);
+        return 0;
+    });
 }
 
 }  // namespace
@@ -587,37 +476,46 @@ extern "C" {
 // Floats of scratch spyre_paged_attention_f32 needs (any alignment of torch's allocator: 64).
 int64_t spyre_paged_attention_f32_scratch_numel(int64_t head_dim, int64_t H, int64_t rows,
                                                 int64_t threads) {
-    if (head_dim == 64) return Layout<64>{H, rows, threads, threads}.numel();
-    if (head_dim == 128) return Layout<128>{H, rows, threads, threads}.numel();
-    return -1;
+    return with_head_dim(head_dim, int64_t{-1}, [&](auto d) {
+        return Layout<decltype(d)::value>{H, rows, threads}.numel();
+    });
 }
 
 // Attention of one row group of the paged-attention op, reading the cache in place.
 // q, out: [n][nq][H * G][head_dim] (n sequences of nq queries; G query heads per KV head);
-// k_cache, v_cache: [num_blocks][bs][H][head_dim]; shared_blocks: [num_shared] blocks every query
-// attends fully (keys 0 .. num_shared * bs); own_blocks: [n][num_own] each sequence's next blocks,
-// its query at position p seeing them up to p (causal; padding blocks beyond are never read);
-// positions: [n][nq], ascending per sequence, each within its own blocks. `threads` OpenMP
-// threads (the shared keys split in that many ranges); rows = n * nq * G for the scratch.
-// head_dim 64 or 128 (else returns 1 and writes nothing); returns 0.
-int spyre_paged_attention_f32(int64_t head_dim, const float* q, const float* k_cache,
+// k_cache, v_cache: [num_blocks][bs][H][head_dim]; positions: [n][nq], ascending per sequence;
+// window: 0, or a sliding window of that many keys (a query at position p sees the keys at
+// p - window + 1 .. p; without one, 0 .. p). shared_blocks: [num_shared] blocks wholly before
+// and inside the window of every query, attended fully (without a window the keys 0 ..
+// num_shared * bs). own_blocks: [n][num_own] each sequence's other blocks in position order,
+// from the block of the first key its first query sees (without a window, block 0) to the
+// block of its last query, the shared ones left out, seen under the mask (padding blocks
+// beyond are never read). `threads` OpenMP threads (the shared keys split in that many
+// ranges); rows = n * nq * G for the scratch. avx512 nonzero: the products and the softmax run
+// 512 bits wide where the CPU has AVX512F (the same bits). head_dim 64 or 128 (else returns 1
+// and writes nothing); returns 0.
+int spyre_paged_attention_f32(int avx512, int64_t head_dim, const float* q, const float* k_cache,
                               const float* v_cache, int64_t bs, int64_t H, int64_t G, int64_t n,
                               int64_t nq, const int64_t* shared_blocks, int64_t num_shared,
                               const int64_t* own_blocks, int64_t num_own, const int64_t* positions,
-                              float scale, int64_t threads, float* scratch, float* out) {
-    return dispatch(head_dim, q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                    own_blocks, num_own, positions, scale, threads, scratch, out);
+                              int64_t window, float scale, int64_t threads, float* scratch,
+                              float* out) {
+    const Args<float> a{q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                        own_blocks, num_own, positions, window, scale, threads, scratch, out};
+    return dispatch(avx512, head_dim, a);
 }
 
 // spyre_paged_attention_f32 with bfloat16 queries, caches and output (the same scratch).
-int spyre_paged_attention_bf16(int64_t head_dim, const uint16_t* q, const uint16_t* k_cache,
-                               const uint16_t* v_cache, int64_t bs, int64_t H, int64_t G,
-                               int64_t n, int64_t nq, const int64_t* shared_blocks,
-                               int64_t num_shared, const int64_t* own_blocks, int64_t num_own,
-                               const int64_t* positions, float scale, int64_t threads,
-                               float* scratch, uint16_t* out) {
-    return dispatch(head_dim, q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
-                    own_blocks, num_own, positions, scale, threads, scratch, out);
+int spyre_paged_attention_bf16(int avx512, int64_t head_dim, const uint16_t* q,
+                               const uint16_t* k_cache, const uint16_t* v_cache, int64_t bs,
+                               int64_t H, int64_t G, int64_t n, int64_t nq,
+                               const int64_t* shared_blocks, int64_t num_shared,
+                               const int64_t* own_blocks, int64_t num_own, const int64_t* positions,
+                               int64_t window, float scale, int64_t threads, float* scratch,
+                               uint16_t* out) {
+    const Args<uint16_t> a{q, k_cache, v_cache, bs, H, G, n, nq, shared_blocks, num_shared,
+                           own_blocks, num_own, positions, window, scale, threads, scratch, out};
+    return dispatch(avx512, head_dim, a);
 }
 
 }  // extern "C"

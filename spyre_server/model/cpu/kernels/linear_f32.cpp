@@ -4,17 +4,16 @@
 // K rows of 8 floats (32 bytes, one AVX register), contiguous. A last partial panel is padded
 // with zero columns. The micro-kernel keeps a 4 x 24 block of y (4 rows, 3 panels) in 12
 // registers and, for each k, loads 3 panel rows and broadcasts 4 x values: every weight byte is
-// read once per 4 rows of x, in a sequential stream the hardware prefetcher follows. At the few
-// rows of a decode step that streams the weights from memory at 1.5-2x the rate of oneDNN's
-// packed kernel, and at 64-256 rows it runs at or above oneDNN's GEMM rate (bench_kernels.py).
+// read once per 4 rows of x, in a sequential stream the hardware prefetcher follows.
 //
 // From 16 rows on (prefill), x's 4-row blocks are first packed k-major, so the 4 broadcasts of a
-// k step read one stream instead of 4 rows K apart: 3% off a 64- or 256-token step's time
-// (in-process A/B, RESULTS.md pass 10); the sums run in the same order either way. A decode
-// step's 5-15 rows go over the panels in chunks of k, every row block per chunk (decode_rows).
+// k step read one stream instead of 4 rows K apart; the sums run in the same order either way. A
+// decode step's 5-15 rows go over the panels in chunks of k, every row block per chunk
+// (decode_rows).
 //
 // On CPUs with AVX512F, from 5 rows on, two panels share a 512-bit register (linear512): the
-// same sums in the same order, so the same bits, at twice the width.
+// same sums in the same order, so the same bits, at twice the width. Each call says whether it
+// may (its avx512 argument: model.native_avx512).
 //
 // Threads: an OpenMP loop over blocks of 3 panels (6 on AVX512F), in the OpenMP runtime torch
 // already loaded (libgomp.so.1 by soname), so this runs on torch's own thread pool and thread
@@ -27,7 +26,7 @@
 
 #define UNROLL _Pragma("GCC unroll 16")
 
-bool spyre_native_avx512_enabled = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+extern const bool spyre_cpu_avx512f = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
 
 namespace {
 
@@ -38,11 +37,10 @@ constexpr int kRowsPerBlock = 4;
 // y[0..MB)[0..NB*8) = x[0..MB)[0..K) . panels[0..NB) (+ y's own values with kAdd: the sum
 // rounded once more, the same bits as a separate add); the last panel stores only last_cols.
 // x[i][k] at x + i * K + k (rows as given), or with kPackedX at x + k * 4 + i (a packed 4-row
-// block; a compile-time stride: 0.92-0.96x at 64-256 rows against a runtime one, RESULTS.md
-// pass 15). The sum runs over the first kc of the panels' K rows (kc = K: all of them); a sum
-// over k in chunks carries partial sums [MB][NB * 8] from chunk to chunk: kResume starts from
-// them instead of 0, kSuspend stores them instead of writing y; stored and loaded exactly, so
-// the bits equal one pass.
+// block; the stride a compile-time constant, faster than a runtime one). The sum runs over the
+// first kc of the panels' K rows (kc = K: all of them); a sum over k in chunks carries partial
+// sums [MB][NB * 8] from chunk to chunk: kResume starts from them instead of 0, kSuspend stores
+// them instead of writing y; stored and loaded exactly, so the bits equal one pass.
 template <int MB, int NB, bool kAdd, bool kPackedX = false, bool kResume = false,
           bool kSuspend = false>
 inline void block(const float* __restrict x, int64_t K, int64_t kc,
@@ -103,8 +101,8 @@ inline void chunk(const float* x, int64_t K, const float* panels, float* y, int6
 
 // A decode step's rows (5 to kPackRows - 1): all row blocks' sums over one chunk of k before the
 // next chunk, so the panels are read from memory once, in order, and the other row blocks find
-// each chunk in L1 (a pass per row block over all of K read them again from L2, with the
-// prefetcher idle meanwhile): 0.89-0.96x at 6-8 rows (RESULTS.md pass 15).
+// each chunk in L1 (a pass per row block over all of K would read them again from L2, with the
+// prefetcher idle meanwhile).
 template <int NB, bool kAdd>
 inline void decode_rows(const float* x, const float* panels, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t last_cols) {
@@ -314,19 +312,25 @@ AVX512 void linear512(const float* x, const float* xp, const float* panels, floa
     }
 }
 
+// Returns 1 where (some of) the rows ran 512 bits wide, else 0.
 template <bool kAdd>
-void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K, int64_t N) {
+int linear(bool wide, const float* x, const float* panels, float* y, int64_t M, int64_t K, int64_t N) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t num_blocks = (num_panels + kPanelsPerBlock - 1) / kPanelsPerBlock;
     const float* xp = M >= kPackRows ? pack_rows(x, M, K) : nullptr;
     if (M >= kPackRows && xp == nullptr) {
         // No memory for the packed rows: slices of a decode step's size (whose partial sums
         // have room for kPackRows - 1 rows), the same bits.
+        int ran512 = 0;
         for (int64_t m = 0; m < M; m += kPackRows - 1)
-            linear<kAdd>(x + m * K, panels, y + m * N, M - m < kPackRows - 1 ? M - m : kPackRows - 1, K, N);
-        return;
+            ran512 |= linear<kAdd>(wide, x + m * K, panels, y + m * N,
+                                   M - m < kPackRows - 1 ? M - m : kPackRows - 1, K, N);
+        return ran512;
     }
-    if (M > kRowsPerBlock && spyre_native_avx512_enabled) return linear512<kAdd>(x, xp, panels, y, M, K, N);
+    if (M > kRowsPerBlock && wide) {
+        linear512<kAdd>(x, xp, panels, y, M, K, N);
+        return 1;
+    }
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t first = b * kPanelsPerBlock;
@@ -341,21 +345,16 @@ void linear(const float* x, const float* panels, float* y, int64_t M, int64_t K,
             default: column_block<1, kAdd>(x, xp, p, yb, M, K, N, last_cols); break;
         }
     }
+    return 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-// Whether the native kernels run 512 bits wide (on CPUs with AVX512F, the default there): here
-// more than 4 rows, in attention.cpp the products and the softmax. enable 0 turns it off, 1
-// back on where the CPU has it. The same bits either way.
-int spyre_native_avx512(int enable) {
-    spyre_native_avx512_enabled = enable != 0 && __builtin_cpu_supports("avx512f");
-    return spyre_native_avx512_enabled ? 1 : 0;
-}
-
-int spyre_native_avx512_on() { return spyre_native_avx512_enabled ? 1 : 0; }
+// 1 where the kernels taking an avx512 argument run 512 bits wide when it is nonzero (the CPU
+// has AVX512F), else 0.
+int spyre_native_avx512_supported() { return spyre_avx512_wide(1) ? 1 : 0; }
 
 int64_t spyre_linear_f32_packed_numel(int64_t N, int64_t K) {
     return (N + kPanel - 1) / kPanel * kPanel * K;
@@ -373,17 +372,19 @@ void spyre_linear_f32_pack(const float* w, float* panels, int64_t N, int64_t K) 
             }
 }
 
-// x: [M][K] row-major; y: [M][N] row-major (written, not accumulated).
-void spyre_linear_f32(const float* x, const float* panels, float* y, int64_t M, int64_t K,
-                      int64_t N) {
-    linear<false>(x, panels, y, M, K, N);
+// x: [M][K] row-major; y: [M][N] row-major (written, not accumulated). avx512 nonzero: more
+// than 4 rows run 512 bits wide where the CPU has AVX512F (the same bits); returns 1 where they
+// did, else 0.
+int spyre_linear_f32(int avx512, const float* x, const float* panels, float* y, int64_t M,
+                     int64_t K, int64_t N) {
+    return linear<false>(spyre_avx512_wide(avx512), x, panels, y, M, K, N);
 }
 
 // y [M][N] += x [M][K] @ w^T: each sum as spyre_linear_f32 computes it, then added to y's value
 // (a residual connection in place, bit for bit as the separate add).
-void spyre_linear_add_f32(const float* x, const float* panels, float* y, int64_t M, int64_t K,
-                          int64_t N) {
-    linear<true>(x, panels, y, M, K, N);
+int spyre_linear_add_f32(int avx512, const float* x, const float* panels, float* y, int64_t M,
+                         int64_t K, int64_t N) {
+    return linear<true>(spyre_avx512_wide(avx512), x, panels, y, M, K, N);
 }
 
 }  // extern "C"

@@ -2,7 +2,9 @@
 
 Of a prefill chunk it computes the positions whose KV must be written (slot outside block 0) and
 the position whose logits are needed; padding and recomputed cached positions cost nothing,
-since attention reads the cached copy through the block table.
+since attention reads the cached copy through the block table. With a sliding window every
+step's plan carries it, so every attention path (our kernels, SDPA's flash kernel, fms's forward
+through our op) attends only the keys inside each query's window.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from scheduler import DecodeBatch, PrefillChunk, PrefillCompute
-from spyre_server.model.paged_attention import (
+from spyre_server.model.cpu.paged_attention import (
     AttentionPlan,
     PagedAttentionKernel,
     paged_attention_kwargs,
@@ -25,7 +27,7 @@ StepDecoder = Callable[
 ]
 """``(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens) -> logits``: a
 whole step, as the model's forward with our paged-attention op computes it
-(``cpu_model.cpu_decoder``: ``NativeDecoder``, ``NativeBf16Decoder`` or ``AtenDecoder``); None
+(``prepare.cpu_decoder``: ``NativeDecoder``, ``NativeBf16Decoder`` or ``AtenDecoder``); None
 for ``last_n_tokens`` 0, where only the KV is written."""
 
 
@@ -42,13 +44,17 @@ class CpuModelRunner(ModelRunner):
         dtype: torch.dtype,
         attention: PagedAttentionKernel | None = None,
         decoder: StepDecoder | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         """``attention``: the kernel for the paged-attention op's compute (None: SDPA's flash
         kernel on gathered blocks). ``decoder``: runs the steps instead of the model's forward
-        (the same logits and KV; ``cpu_model.cpu_decoder``)."""
+        (the same logits and KV; ``prepare.cpu_decoder``). ``sliding_window``: every layer's
+        window in keys, as HF transformers' ``sliding_window`` (the query at position p attends
+        the keys at p - W + 1 .. p); None: none."""
         super().__init__(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
         self.attention = attention
         self.decoder = decoder
+        self.sliding_window = sliding_window
 
     def _prefill(self, step: PrefillChunk) -> torch.Tensor | None:
         bs = self.block_size
@@ -78,7 +84,7 @@ class CpuModelRunner(ModelRunner):
             torch.tensor([step.token_ids[first:]]),
             torch.tensor([positions]),
             torch.tensor(step.slot_mapping[first:]),
-            plan_attention([step.block_table], [positions], self.block_size),
+            plan_attention([step.block_table], [positions], self.block_size, self.sliding_window),
             last_n_tokens=last_n_tokens,
         )
 
@@ -89,7 +95,9 @@ class CpuModelRunner(ModelRunner):
             torch.tensor([[e.token_id] for e in entries]),
             torch.tensor(positions),
             torch.tensor([e.slot for e in entries]),
-            plan_attention([e.block_table for e in entries], positions, self.block_size),
+            plan_attention(
+                [e.block_table for e in entries], positions, self.block_size, self.sliding_window
+            ),
             last_n_tokens=1,
         )
         assert logits is not None

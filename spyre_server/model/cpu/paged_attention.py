@@ -1,19 +1,32 @@
-"""Our paged-attention op for fms (DESIGN §5).
+"""Our paged-attention op for fms.
 
 K/V live in per-layer block tensors ``[num_blocks, block_size, kv_heads, head_dim]``. The store op
 writes the new keys/values in place at the slots the scheduler chose (block 0 is the sink for
 positions whose KV must not be stored). The compute op reads each row's context through its block
 table, as planned once per step by ``plan_attention``:
 
-- rows whose tables start with the same block form a group (the rows that share their first
-  block with no other row form one more group);
-- *shared* blocks: the leading blocks that every row of a group has in common and that lie
-  wholly before every query. They are gathered once per layer for the whole group (not once per
-  row) and need no mask. Decode batches of requests with a common prompt prefix (system
-  prompts, the same document) mostly attend over shared blocks;
-- *own* blocks: the rest of each row's table, padded with block 0 to the longest row of the
-  group, attended with a mask built from the query positions, so causal masking is always
-  aligned to the end of the context.
+- the server's plans are *row-invariant* (DESIGN §4: a prefix-cache hit, or caching off, must
+  not change a token in any dtype): every row is an *own* row, whose keys are its table's
+  blocks from a fixed start (block 0, or with a window the block of the first key its first
+  query sees, rounded down to a multiple of ``KEY_GRID_BLOCKS``) up to its last query's block, padded with
+  block 0 to the longest row and attended with a mask built from the query positions. A
+  kernel then attends a row's keys in tiles on the same absolute grid, in the same order,
+  whatever else the step holds (its first query, the other rows), so the row gets the same
+  bits; the native kernels' tests check it bit for bit (test_batch_invariance.py);
+- with ``share_blocks`` (not used by the server: it is not row-invariant), rows whose tables
+  start with the same block form a group (the rows that share their first block with no other
+  row form one more group), and a group's *shared* blocks, the leading blocks every row has in
+  common that lie wholly before every query, are gathered once per layer for the whole group
+  and merged with the own part through log-sum-exps: where those blocks end depends on the
+  step, so a row's sums do too.
+
+With a sliding window of ``W`` keys (Mistral's ``sliding_window``, HF transformers' semantics) the
+query at position p attends the keys at positions ``p - W + 1 .. p`` (itself and the ``W - 1``
+before it); without one, ``0 .. p``. A row's own blocks start at the block of the first key its
+first query sees, rounded down to a multiple of ``KEY_GRID_BLOCKS`` (the keys before the window
+masked), and with ``share_blocks`` the shared blocks are the common blocks that lie wholly inside
+every query's window: blocks further outside every window of the row are not read at all (a
+cached block among them is still shared by the scheduler, just not attended).
 
 Attention is computed with grouped queries (the query heads of one KV head are folded into the
 query rows), so K/V are never repeated per query head. Nothing is copied but the context being
@@ -47,11 +60,17 @@ class RowGroup:
     ``own_blocks``: ``[n * num_own_blocks]`` the rest of each row's table, row-major, padded with
     block 0; ``own_bias``: ``[n, num_queries, num_own_blocks * block_size]``, 0 where a query may
     attend the own key and -inf elsewhere (later positions, padding).
-    ``positions``: ``[n, num_queries]`` the queries' positions; ``max_block_id``: the largest
-    block id the group reads (0 for none), for a kernel to check against the cache.
+    ``positions``: ``[n, num_queries]`` the queries' positions; ``window``: the sliding window
+    in keys (0: none); ``max_block_id``: the largest block id the group reads (0 for none), for
+    a kernel to check against the cache.
     ``shared_span`` / ``own_span``: ``(first, end)`` when those block ids are the consecutive
     ``first..end-1`` (a request's blocks mostly are): the keys are then read in place through a
     view of the cache instead of being gathered into a copy.
+
+    A row's own blocks are, in order, those before the shared blocks (with a window, from the
+    block of the first key its first query sees, on the ``KEY_GRID_BLOCKS`` grid; without one
+    there are none) and those after
+    them, up to its last query's block.
     """
 
     rows: torch.Tensor | None
@@ -61,6 +80,7 @@ class RowGroup:
     num_own_blocks: int
     positions: torch.Tensor
     max_block_id: int
+    window: int = 0
     shared_span: tuple[int, int] | None = None
     own_span: tuple[int, int] | None = None
     _grouped_bias: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
@@ -88,33 +108,79 @@ class AttentionPlan:
 
 
 def plan_attention(
-    block_tables: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], block_size: int
+    block_tables: Sequence[Sequence[int]],
+    positions: Sequence[Sequence[int]],
+    block_size: int,
+    window: int | None = None,
+    *,
+    share_blocks: bool = False,
 ) -> AttentionPlan:
     """Plan a step whose row ``r`` has queries at ``positions[r]`` (ascending, same count in every
     row) over the context ``block_tables[r]`` (at least up to its last query's block). The query
-    at position p attends the keys at positions 0..p of its own row.
+    at position p attends the keys at positions 0..p of its own row, or with a ``window`` of W
+    keys (None: none) those at positions p - W + 1 .. p.
 
-    Rows whose tables start with the same block form a group that reads its common prefix once;
-    the rows that share their first block with no other row form one more group. A single group
-    (rows that all start alike, or that share nothing) has ``rows`` None: every row, in order."""
+    Without ``share_blocks`` (the server's plans): one row-invariant group of every row, in
+    order (``rows`` None, no shared blocks; see the module docstring). With it: rows whose
+    tables start with the same block form a group that reads its common blocks once; the rows
+    that share their first block with no other row form one more group. A single group (rows
+    that all start alike, or that share nothing) has ``rows`` None: every row, in order."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window of {window} keys sees nothing")
+    if not share_blocks:
+        return AttentionPlan(
+            [_plan_group(None, block_tables, positions, block_size, window, share_blocks=False)]
+        )
     first_blocks: dict[int, list[int]] = {}
     for row, (table, queries) in enumerate(zip(block_tables, positions, strict=True)):
-        key = table[0] if queries[0] >= block_size else -1 - row  # -1 - row: nothing to share
+        start = _window_start_block(queries[-1], block_size, window)
+        shares = start < queries[0] // block_size  # a block wholly visible to every query
+        key = table[0] if shares else -1 - row  # -1 - row: nothing to share
         first_blocks.setdefault(key, []).append(row)
     groups = [rows for rows in first_blocks.values() if len(rows) > 1]
     alone = [rows[0] for rows in first_blocks.values() if len(rows) == 1]
     if alone:
         groups.append(alone)
     if len(groups) == 1:  # every row, in order: no gathering of rows in the op
-        return AttentionPlan([_plan_group(None, block_tables, positions, block_size)])
+        return AttentionPlan(
+            [_plan_group(None, block_tables, positions, block_size, window, share_blocks=True)]
+        )
     return AttentionPlan(
         [
             _plan_group(
-                rows, [block_tables[r] for r in rows], [positions[r] for r in rows], block_size
+                rows,
+                [block_tables[r] for r in rows],
+                [positions[r] for r in rows],
+                block_size,
+                window,
+                share_blocks=True,
             )
             for rows in groups
         ]
     )
+
+
+def _window_start_block(position: int, block_size: int, window: int | None) -> int:
+    """The first block wholly inside the window of the query at ``position`` (0 without one)."""
+    if window is None:
+        return 0
+    return -(-max(0, position - window + 1) // block_size)
+
+
+KEY_GRID_BLOCKS = 3
+"""A windowed row's own keys start at a multiple of this many blocks (192 keys with blocks of
+64): every native kernel's key tile (48 keys in attention.cpp, 64 in attention_dot_bf16.cpp)
+divides it, so their tiles lie on one absolute grid. The kernels apply the same rule
+(attention_common.h, ``kKeyGridBlocks``)."""
+
+
+def _first_own_block(position: int, block_size: int, window: int | None) -> int:
+    """The block of the first key the query at ``position`` sees (0 without a window), rounded
+    down to a multiple of ``KEY_GRID_BLOCKS``."""
+    if window is None:
+        return 0
+    block = max(0, position - window + 1) // block_size
+    return block // KEY_GRID_BLOCKS * KEY_GRID_BLOCKS
 
 
 def _plan_group(
@@ -122,27 +188,53 @@ def _plan_group(
     block_tables: Sequence[Sequence[int]],
     positions: Sequence[Sequence[int]],
     block_size: int,
+    window: int | None,
+    share_blocks: bool,
 ) -> RowGroup:
-    first_query_blocks = min(row[0] for row in positions) // block_size
+    # Shared: blocks wholly before every query and wholly inside every query's window (the
+    # latest query's window starts last), the same block in every table.
+    first_shared = _window_start_block(max(row[-1] for row in positions), block_size, window)
+    end_shared = min(row[0] for row in positions) // block_size if share_blocks else 0
     num_shared = 0
     reference = block_tables[0]
-    while num_shared < first_query_blocks and all(
-        table[num_shared] == reference[num_shared] for table in block_tables
+    while first_shared + num_shared < end_shared and all(
+        table[first_shared + num_shared] == reference[first_shared + num_shared]
+        for table in block_tables
     ):
         num_shared += 1
-    own_lengths = [-(-(row[-1] + 1) // block_size) - num_shared for row in positions]
+    # Own: the blocks before the shared ones from the row's first visible block, then the
+    # blocks after them up to its last query's block (with nothing shared: from the first
+    # visible block on).
+    own_ranges = []
+    for row in positions:
+        first = _first_own_block(row[0], block_size, window)
+        last = -(-(row[-1] + 1) // block_size)
+        if num_shared:
+            own_ranges.append(((first, first_shared), (first_shared + num_shared, last)))
+        else:
+            own_ranges.append(((first, first), (first, last)))
+    own_lengths = [(a1 - a0) + (b1 - b0) for (a0, a1), (b0, b1) in own_ranges]
     num_own_blocks = max(own_lengths)
     own = []
-    for table, length in zip(block_tables, own_lengths, strict=True):
-        own.extend(table[num_shared : num_shared + length])
+    key_positions = torch.full((len(positions), num_own_blocks * block_size), _PADDING)
+    for r, (table, ranges, length) in enumerate(
+        zip(block_tables, own_ranges, own_lengths, strict=True)
+    ):
+        keys = []
+        for begin, end in ranges:
+            own.extend(table[begin:end])
+            keys.append(torch.arange(begin * block_size, end * block_size))
         own.extend([0] * (num_own_blocks - length))
-    key_positions = torch.arange(
-        num_shared * block_size, (num_shared + num_own_blocks) * block_size
-    )
+        row_keys = torch.cat(keys)
+        key_positions[r, : row_keys.numel()] = row_keys
     query_positions = torch.tensor(positions, dtype=torch.long)
-    visible = key_positions.view(1, 1, -1) <= query_positions.unsqueeze(-1)
+    keys_seen = key_positions.unsqueeze(1)
+    queries = query_positions.unsqueeze(-1)
+    visible = keys_seen <= queries
+    if window is not None:
+        visible &= keys_seen > queries - window
     bias = torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)
-    shared = reference[:num_shared]
+    shared = reference[first_shared : first_shared + num_shared]
     return RowGroup(
         rows=None if rows is None else torch.tensor(rows, dtype=torch.long),
         shared_blocks=torch.tensor(shared, dtype=torch.long),
@@ -151,9 +243,14 @@ def _plan_group(
         num_own_blocks=num_own_blocks,
         positions=query_positions,
         max_block_id=max([0, *shared, *own]),
+        window=window or 0,
         shared_span=_consecutive(shared),
         own_span=_consecutive(own),
     )
+
+
+_PADDING = torch.iinfo(torch.long).max
+"""The position of a padding key in ``_plan_group``: after every query, never visible."""
 
 
 def _consecutive(block_ids: Sequence[int]) -> tuple[int, int] | None:

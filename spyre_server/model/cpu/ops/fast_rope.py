@@ -1,13 +1,12 @@
 """fms's rotary position embedding, computed with one cos and one sin per rotated pair.
 
 fms rotates each (even, odd) pair of a head by multiplying it with a 2x2 matrix per position:
-a broadcast product six dimensions wide and a sum over its last one, 5x the cost of the rotation
-itself (SmolLM2, a 256-token chunk: 3.7 ms of a layer's 8 ms outside the matrix products, against
-0.7 ms here). ``FastRotaryEmbedding`` does the same arithmetic on the matrix's entries
+a broadcast product six dimensions wide and a sum over its last one, several times the work of
+the rotation itself. ``FastRotaryEmbedding`` does the same arithmetic on the matrix's entries
 (``cos * x0 - sin * x1``, ``sin * x0 + cos * x1``), so the result is the same bit for bit, and
 looks the entries up once per forward instead of once per layer. It computes both halves of
-every pair at once, ``x * cos + swap(x) * (-sin, sin)``: three tensor ops per rotation (a decode
-step runs 60 rotations, and each op costs a few microseconds whatever its size).
+every pair at once, ``x * cos + swap(x) * (-sin, sin)``: three tensor ops per rotation (a step
+runs two rotations per layer, and each op has a fixed cost whatever its size).
 """
 
 from __future__ import annotations

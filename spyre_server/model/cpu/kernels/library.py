@@ -5,7 +5,7 @@ The shared library lives in a directory (``model.kernel_dir``, default ``default
 under a name that carries a hash of the sources and the compiler flags, so a changed source
 builds anew and a stale library is never loaded. It is built with the C++ compiler (``$CXX``,
 else ``g++``) the first time it is needed, or ahead of time with
-``python -m spyre_server.model.native_kernels`` (the image does this in a build stage, so the
+``python -m spyre_server.model.cpu.kernels.library`` (the image does this in a build stage, so the
 server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA; the AMX attention
 kernel is compiled on any x86-64 (its own target pragma) and runs where ``amx_unsupported_reason``
 says it can.
@@ -29,17 +29,24 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-KERNELS = Path(__file__).resolve().parent / "kernels"
+KERNELS = Path(__file__).resolve().parent
+"""The C++ sources, beside this file."""
 SOURCES = (
     KERNELS / "linear_f32.cpp",
+    KERNELS / "linear_bf16.cpp",
     KERNELS / "attention.cpp",
     KERNELS / "elementwise_f32.cpp",
     KERNELS / "elementwise_bf16.cpp",
     KERNELS / "attention_dot_bf16.cpp",
 )
-HEADERS = (KERNELS / "avx2_math.h", KERNELS / "bf16_avx2.h", KERNELS / "native_avx512.h")
+HEADERS = (
+    KERNELS / "attention_common.h",
+    KERNELS / "avx2_math.h",
+    KERNELS / "bf16_avx2.h",
+    KERNELS / "native_avx512.h",
+)
 """Included by the sources: hashed into the library's name with them."""
 FLAGS = (
     "-std=c++17",
@@ -159,7 +166,7 @@ def build(directory: Path) -> Path:
     if shutil.which(compiler) is None:
         raise NativeKernelError(
             f"{_WHO} are compiled once with a C++ compiler, and {compiler!r} is not on PATH: install g++ (Debian: apt-get install g++), set CXX, "
-            f"build them ahead of time with `python -m spyre_server.model.native_kernels`, "
+            f"build them ahead of time with `python -m spyre_server.model.cpu.kernels.library`, "
             f"or set {_OTHER_KERNEL}"
         )
     try:
@@ -188,33 +195,61 @@ def build(directory: Path) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
+class NativeKernelSettings:
+    """How one engine's native kernels are built and run: ``model.kernel_dir`` and
+    ``model.native_avx512``. Engines in one process with different settings each keep theirs."""
+
+    kernel_dir: Path | None = None
+    """Where the library is built and loaded from (None: ``default_kernel_dir()``)."""
+    avx512: bool = True
+    """Whether the float32-compute kernels run 512 bits wide on CPUs with AVX512F."""
+
+    def load(self) -> NativeKernels:
+        """The kernels with these settings (``load_native_kernels``)."""
+        return load_native_kernels(self.kernel_dir or default_kernel_dir(), avx512=self.avx512)
+
+
+@dataclass(frozen=True, slots=True)
 class NativeKernels:
-    """The library's functions, called with data pointers (``tensor.data_ptr()``) and sizes."""
+    """The library's functions, called with data pointers (``tensor.data_ptr()``) and sizes,
+    bound to one width for the float32-compute kernels (``avx512``)."""
 
     path: Path
+    avx512: bool
+    """Whether this object's float32-compute kernels (``linear`` and ``linear_add`` from 5 rows
+    on, ``paged_attention``'s and ``paged_attention_bf16``'s products and softmax) run 512 bits
+    wide: asked for, and the CPU has AVX512F. The same bits either way; another object of the
+    same library may run the other width in the same process."""
     packed_numel: Callable[[int, int], int]
     """(N, K) -> floats of the panels of an [N, K] weight."""
     pack: Callable[[int, int, int, int], None]
     """(weight, panels, N, K): packs a contiguous float32 [N, K] weight into 32-byte-aligned
     panels."""
-    linear: Callable[[int, int, int, int, int, int], None]
-    """(x, panels, out, M, K, N): out [M, N] = x [M, K] @ weight.T, both contiguous."""
-    avx512: Callable[[int], int]
-    """(enable) -> 1 where the float32-compute kernels run 512 bits wide (``linear`` from 5
-    rows on, ``paged_attention``'s products and softmax; CPUs with AVX512F: on by default),
-    else 0; 0 turns it off. The same bits either way. One setting for the process."""
-    avx512_on: Callable[[], int]
-    """() -> 1 while they run 512 bits wide, else 0."""
-    linear_add: Callable[[int, int, int, int, int, int], None]
-    """(x, panels, out, M, K, N): out [M, N] += x [M, K] @ weight.T (a residual in place, the
-    same bits as ``linear`` then an add)."""
+    linear: Callable[[int, int, int, int, int, int], int]
+    """(x, panels, out, M, K, N) -> 1 where it ran 512 bits wide, else 0: out [M, N] = x [M, K]
+    @ weight.T, both contiguous."""
+    linear_add: Callable[[int, int, int, int, int, int], int]
+    """(x, panels, out, M, K, N) -> as ``linear``: out [M, N] += x [M, K] @ weight.T (a residual
+    in place, the same bits as ``linear`` then an add)."""
+    linear_bf16_packed_numel: Callable[[int, int], int]
+    """(N, K) -> bfloat16 values of the packed form of an [N, K] bfloat16 weight."""
+    linear_bf16_pack: Callable[[int, int, int, int], None]
+    """(weight, packed, N, K): packs a contiguous bfloat16 [N, K] weight (64-byte-aligned
+    ``packed``)."""
+    linear_bf16: Callable[[int, int, int | None, int, int, int, int], int]
+    """(x, packed, bias or None, out, M, K, N) -> 1 where it ran on AVX512-BF16, else 0 (the same
+    bits), -1 where it found no memory: out [M, N] = x [M, K] @ weight.T (+ bias), bfloat16,
+    contiguous; each result's arithmetic fixed whatever M (``kernels/linear_bf16.cpp``)."""
+    linear_bf16_dot: bool
+    """Whether ``linear_bf16`` computes with AVX512-BF16 dot products (``avx512`` and the CPU
+    has AVX512-BF16), else with AVX2 and FMA."""
     paged_attention_scratch_numel: Callable[[int, int, int, int], int]
     """(head_dim, H, rows, threads) -> floats of scratch ``paged_attention`` needs (-1 for a
     head_dim other than 64 and 128)."""
     paged_attention: Callable[..., int]
     """(head_dim, q, k_cache, v_cache, block_size, H, G, n, nq, shared_blocks, num_shared,
-    own_blocks, num_own, positions, scale, threads, scratch, out) -> 0, or 1 for a head_dim
-    other than 64 and 128: see ``kernels/attention.cpp``."""
+    own_blocks, num_own, positions, window, scale, threads, scratch, out) -> 0, or 1 for a
+    head_dim other than 64 and 128: see ``kernels/attention.cpp`` (``window`` 0: none)."""
     paged_attention_bf16: Callable[..., int]
     """``paged_attention`` with bfloat16 queries, caches and output (float32 scratch)."""
     paged_attention_dot_bf16_scratch_numel: Callable[[int, int, int, int], int]
@@ -255,88 +290,87 @@ class NativeKernels:
         return self  # functions of the one loaded library (ctypes objects cannot be copied)
 
 
+class _Width(ctypes.c_int):
+    """First in a row's argument types: the function takes the width (nonzero: 512 bits where
+    the CPU has AVX512F), which each NativeKernels binds (``functools.partial``) to its
+    ``avx512``."""
+
+
+# fmt: off
+_PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIZES = (_I64, _I64, _I64, _I64)
+"""A scratch size's arguments: (head_dim, H, rows, threads)."""
+_ATTENTION = (_I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR,
+              _I64, _FLOAT, _I64, _PTR, _PTR)
+"""A paged-attention kernel's arguments (``NativeKernels.paged_attention``)."""
+_NORM = (_PTR, _I64, _PTR, _PTR, _I64, _I64, _FLOAT)
+_ROPE = (_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64)
+# Every function of NativeKernels, a row each: C function, argument types, return type, field.
+# Adding a kernel is a row here and a field there.
+_FUNCTIONS: tuple[tuple[str, tuple[type, ...], type | None, str], ...] = (
+    ("spyre_linear_f32_packed_numel", (_I64, _I64), _I64, "packed_numel"),
+    ("spyre_linear_f32_pack", (_PTR, _PTR, _I64, _I64), None, "pack"),
+    ("spyre_linear_f32", (_Width, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear"),
+    ("spyre_linear_add_f32", (_Width, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_add"),
+    ("spyre_linear_bf16_packed_numel", (_I64, _I64), _I64, "linear_bf16_packed_numel"),
+    ("spyre_linear_bf16_pack", (_PTR, _PTR, _I64, _I64), None, "linear_bf16_pack"),
+    ("spyre_linear_bf16", (_Width, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_bf16"),
+    ("spyre_paged_attention_f32_scratch_numel", _SIZES, _I64, "paged_attention_scratch_numel"),
+    ("spyre_paged_attention_f32", (_Width, *_ATTENTION), _INT, "paged_attention"),
+    ("spyre_paged_attention_bf16", (_Width, *_ATTENTION), _INT, "paged_attention_bf16"),
+    ("spyre_paged_attention_dot_bf16_scratch_numel", _SIZES, _I64, "paged_attention_dot_bf16_scratch_numel"),
+    ("spyre_paged_attention_amx", _ATTENTION, _INT, "paged_attention_amx"),
+    ("spyre_paged_attention_avx512_bf16", _ATTENTION, _INT, "paged_attention_avx512_bf16"),
+    ("spyre_rms_norm_f32", _NORM, None, "rms_norm"),
+    ("spyre_silu_mul_f32", (_PTR, _PTR, _I64, _I64), None, "silu_mul"),
+    ("spyre_rope_f32", _ROPE, None, "rope"),
+    ("spyre_scatter_rows_f32", (_PTR, _I64, _PTR, _PTR, _I64, _I64), None, "scatter_rows"),
+    ("spyre_rms_norm_bf16", _NORM, None, "rms_norm_bf16"),
+    ("spyre_silu_mul_bf16", (_PTR, _PTR, _I64, _I64), None, "silu_mul_bf16"),
+    ("spyre_rope_bf16", _ROPE, None, "rope_bf16"),
+    ("spyre_add_rms_norm_bf16", (_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT), None, "add_rms_norm_bf16"),
+    ("spyre_rope_store_bf16", (_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64), None, "rope_store_bf16"),
+)
+# fmt: on
+
+
 @functools.cache
-def load_native_kernels(directory: Path) -> NativeKernels:
-    """Build (if needed) into ``directory`` and load the kernels; raises NativeKernelError where
-    they cannot run."""
+def load_native_kernels(directory: Path, *, avx512: bool = True) -> NativeKernels:
+    """Build (if needed) into ``directory`` and load the kernels, their float32-compute code 512
+    bits wide where ``avx512`` and the CPU has AVX512F; raises NativeKernelError where they
+    cannot run. One library per directory, whatever the width."""
     if reason := unsupported_cpu_reason():
         raise NativeKernelError(f"{_WHO} cannot run here: {reason}; set {_OTHER_KERNEL}")
+    path, lib = _library(directory)
+    # The probes are () -> int: ctypes' default signature.
+    wide = avx512 and lib.spyre_native_avx512_supported() == 1
+    functions: dict[str, Any] = {}
+    for name, argtypes, _, field in _FUNCTIONS:
+        function = getattr(lib, name)
+        bound = argtypes[:1] == (_Width,)
+        functions[field] = functools.partial(function, int(wide)) if bound else function
+    compiled = lib.spyre_dot_bf16_compiled() == 1
+    linear_dot = wide and lib.spyre_linear_bf16_dot_supported() == 1
+    return NativeKernels(
+        path=path,
+        avx512=wide,
+        dot_bf16_compiled=compiled,
+        linear_bf16_dot=linear_dot,
+        **functions,
+    )
+
+
+@functools.cache
+def _library(directory: Path) -> tuple[Path, ctypes.CDLL]:
+    """The library built in ``directory``, loaded, with its functions' signatures set."""
     import torch  # noqa: F401  (first: the library's libgomp.so.1 must resolve to torch's)
 
     path = build(directory)
     lib = ctypes.CDLL(str(path))
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.spyre_linear_f32_packed_numel.argtypes = [i64, i64]
-    lib.spyre_linear_f32_packed_numel.restype = i64
-    lib.spyre_linear_f32_pack.argtypes = [ptr, ptr, i64, i64]
-    lib.spyre_linear_f32_pack.restype = None
-    lib.spyre_linear_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
-    lib.spyre_linear_f32.restype = None
-    lib.spyre_native_avx512.argtypes = [ctypes.c_int]
-    lib.spyre_native_avx512.restype = ctypes.c_int
-    lib.spyre_native_avx512_on.argtypes = []
-    lib.spyre_native_avx512_on.restype = ctypes.c_int
-    lib.spyre_linear_add_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
-    lib.spyre_linear_add_f32.restype = None
-    lib.spyre_paged_attention_f32_scratch_numel.argtypes = [i64, i64, i64, i64]
-    lib.spyre_paged_attention_f32_scratch_numel.restype = i64
-    lib.spyre_paged_attention_f32.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-    lib.spyre_paged_attention_f32.argtypes += [ptr, i64, ptr, i64, ptr, ctypes.c_float, i64]
-    lib.spyre_paged_attention_f32.argtypes += [ptr, ptr]
-    lib.spyre_paged_attention_f32.restype = ctypes.c_int
-    lib.spyre_paged_attention_bf16.argtypes = lib.spyre_paged_attention_f32.argtypes
-    lib.spyre_paged_attention_bf16.restype = ctypes.c_int
-    lib.spyre_paged_attention_dot_bf16_scratch_numel.argtypes = [i64, i64, i64, i64]
-    lib.spyre_paged_attention_dot_bf16_scratch_numel.restype = i64
-    for dot_kernel in (lib.spyre_paged_attention_amx, lib.spyre_paged_attention_avx512_bf16):
-        dot_kernel.argtypes = lib.spyre_paged_attention_f32.argtypes
-        dot_kernel.restype = ctypes.c_int
-    lib.spyre_dot_bf16_compiled.argtypes = []
-    lib.spyre_dot_bf16_compiled.restype = ctypes.c_int
-    lib.spyre_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
-    lib.spyre_rms_norm_f32.restype = None
-    lib.spyre_silu_mul_f32.argtypes = [ptr, ptr, i64, i64]
-    lib.spyre_silu_mul_f32.restype = None
-    lib.spyre_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-    lib.spyre_rope_f32.restype = None
-    lib.spyre_scatter_rows_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64]
-    lib.spyre_scatter_rows_f32.restype = None
-    lib.spyre_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
-    lib.spyre_rms_norm_bf16.restype = None
-    lib.spyre_silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
-    lib.spyre_silu_mul_bf16.restype = None
-    lib.spyre_rope_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-    lib.spyre_rope_bf16.restype = None
-    lib.spyre_add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    lib.spyre_add_rms_norm_bf16.restype = None
-    lib.spyre_rope_store_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
-    lib.spyre_rope_store_bf16.argtypes += [i64, i64]
-    lib.spyre_rope_store_bf16.restype = None
-    return NativeKernels(
-        path=path,
-        packed_numel=lib.spyre_linear_f32_packed_numel,
-        pack=lib.spyre_linear_f32_pack,
-        linear=lib.spyre_linear_f32,
-        avx512=lib.spyre_native_avx512,
-        avx512_on=lib.spyre_native_avx512_on,
-        linear_add=lib.spyre_linear_add_f32,
-        paged_attention_scratch_numel=lib.spyre_paged_attention_f32_scratch_numel,
-        paged_attention=lib.spyre_paged_attention_f32,
-        paged_attention_bf16=lib.spyre_paged_attention_bf16,
-        paged_attention_dot_bf16_scratch_numel=lib.spyre_paged_attention_dot_bf16_scratch_numel,
-        paged_attention_amx=lib.spyre_paged_attention_amx,
-        paged_attention_avx512_bf16=lib.spyre_paged_attention_avx512_bf16,
-        dot_bf16_compiled=lib.spyre_dot_bf16_compiled() == 1,
-        rms_norm=lib.spyre_rms_norm_f32,
-        silu_mul=lib.spyre_silu_mul_f32,
-        rope=lib.spyre_rope_f32,
-        scatter_rows=lib.spyre_scatter_rows_f32,
-        rms_norm_bf16=lib.spyre_rms_norm_bf16,
-        silu_mul_bf16=lib.spyre_silu_mul_bf16,
-        rope_bf16=lib.spyre_rope_bf16,
-        add_rms_norm_bf16=lib.spyre_add_rms_norm_bf16,
-        rope_store_bf16=lib.spyre_rope_store_bf16,
-    )
+    for name, argtypes, restype, _ in _FUNCTIONS:
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return path, lib
 
 
 def main() -> None:

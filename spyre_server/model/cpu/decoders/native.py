@@ -1,72 +1,53 @@
-"""A whole cpu step of an fms LLaMA on the native kernels, without fms's module machinery.
+"""The native decoder: a whole cpu step of an fms decoder in float32 on the native kernels.
 
+``NativeDecoder`` runs the kernels of the native modules that
 ``cpu_inference_copy(linear_kernel="native")`` gives every linear, RMS norm, GLU and rotary
-embedding of the model a native kernel, but the step still runs through fms's forward: ~300
-module calls and ~1,400 tensor objects (views, splits, outputs) per step, 15-20 ms of Python on
-SmolLM2's 30 layers whatever the number of tokens, on a core the kernels leave idle meanwhile.
-``NativeDecoder`` runs the same kernels in the same order as that forward (the logits and KV
-writes are the same bits) with ~10 calls per layer into buffers it keeps, and folds each
-residual add into the projection before it (``linear_add``).
+embedding, in the same order as fms's forward over those modules (the logits and KV writes are
+the same bits), calling them directly into buffers it keeps. It folds each residual add into
+the projection before it (``linear_add``); where the family scales the projection's output
+first (Granite's residual multiplier) the projection writes a buffer, which is scaled and added
+as fms's two ops do it.
 
-It covers what the native kernels compute: the fused QKV and GLU of fms's LLaMA, RMS norms with
-a scale only, plain RoPE with explicit positions, SiLU, no biases, no dropout, no per-head
-norms or sinks, head_dim 64 or 128. ``unsupported_reason`` says why another model is not
-covered; the runner then uses the native bfloat16 or the aten decoder (``cpu_model.cpu_decoder``)
-or fms's forward.
+It covers what the native kernels compute, in fms's LLaMA, Granite and Mistral (any sliding
+window is the attention plan's): fused QKV and GLU weights, RMS norms with a scale only, plain
+RoPE with explicit positions, SiLU, no biases, no dropout, no per-head norms or sinks, head_dim
+64 or 128. ``unsupported_reason`` says why another model is not covered; the runner then uses
+the native bfloat16 or the aten decoder (``prepare.cpu_decoder``) or fms's forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from fms.models.llama import LLaMA
+from fms.modules.attention import FusedQKV
 
-from spyre_server.model.aten_decoder import StepShape
-from spyre_server.model.aten_decoder import unsupported_reason as aten_unsupported_reason
-from spyre_server.model.native_attention import (
+from spyre_server.model.cpu.decoders.aten import unsupported_reason as aten_unsupported_reason
+from spyre_server.model.cpu.decoders.base import (
+    Decoder,
+    Glu,
+    Layer,
+    NormWeight,
+    fused_glu,
+    fused_qkv,
+)
+from spyre_server.model.cpu.kernels.library import NativeKernels
+from spyre_server.model.cpu.ops.native_attention import (
     SUPPORTED_HEAD_DIMS,
     NativePagedAttention,
     check_caches,
 )
-from spyre_server.model.native_elementwise import (
+from spyre_server.model.cpu.ops.native_elementwise import (
     NativeGatedLinearUnit,
     NativeRMSNorm,
     NativeRotaryEmbedding,
 )
-from spyre_server.model.native_kernels import NativeKernels
-from spyre_server.model.native_linear import NativeLinear
-from spyre_server.model.paged_attention import AttentionPlan
+from spyre_server.model.cpu.ops.native_linear import NativeLinear
+from spyre_server.model.cpu.paged_attention import AttentionPlan
 from spyre_server.model.runner import KVCaches
 
 
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    """A decoder layer's weights as the kernels take them: data pointers (into tensors the
-    model holds) and the norms' epsilons."""
-
-    attn_norm: int
-    attn_eps: float
-    qkv: int
-    dense: int
-    ff_norm: int
-    ff_eps: float
-    gate_up: int
-    down: int
-
-    @classmethod
-    def of(cls, layer: torch.nn.Module) -> _Layer:
-        ff = layer.ff_sub_layer
-        return cls(
-            layer.ln.weight.data_ptr(),
-            layer.ln.eps,
-            layer.attn.in_proj.qkv_fused.panels.data_ptr(),
-            layer.attn.dense.panels.data_ptr(),
-            layer.ff_ln.weight.data_ptr(),
-            layer.ff_ln.eps,
-            ff.wg1_fused.panels.data_ptr(),
-            ff.w2.panels.data_ptr(),
-        )
+def panels(linear: torch.nn.Module) -> int:
+    """A native linear's weight as the kernels take it: its packed panels' data pointer."""
+    return linear.panels.data_ptr()
 
 
 def native_modules_reason(model: torch.nn.Module) -> str | None:
@@ -82,6 +63,8 @@ def native_modules_reason(model: torch.nn.Module) -> str | None:
             return "a norm is not a plain RMS norm with a scale"
     for layer in base.layers:
         attn, ff = layer.attn, layer.ff_sub_layer
+        if not isinstance(attn.in_proj, FusedQKV) or attn.apply_norm_per_head:
+            return "an attention's QKV is not one fused projection without per-head norms"
         if type(attn.position_encoder) is not NativeRotaryEmbedding:
             return "the position encoding is not plain RoPE on the native kernel"
         if (
@@ -109,24 +92,21 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-class NativeDecoder:
-    """``decoder(input_ids, position_ids, slot_mapping, plan, kv_caches, last_n_tokens)``: the
-    logits of the last ``last_n_tokens`` positions of each row, as the model's forward with
-    ``paged_attention_kwargs(slot_mapping, plan, attention)`` and ``use_cache=True`` computes
-    them, writing the same KV; None for ``last_n_tokens`` 0 (the KV only: a chunk that samples
-    nothing, whose LM head would be wasted)."""
+class NativeDecoder(Decoder[NormWeight, int, int, Glu[int]]):
+    """The step in float32 on the native kernels, with the native paged attention (required):
+    a layer's weights are bound as the data pointers the kernels take."""
+
+    _attention: NativePagedAttention
+    _unsupported_reason = staticmethod(unsupported_reason)
 
     def __init__(self, model: torch.nn.Module, attention: NativePagedAttention) -> None:
-        if (reason := unsupported_reason(model)) is not None:
-            raise ValueError(f"NativeDecoder cannot run this model: {reason}")
-        assert isinstance(model, LLaMA)
-        base = model.base_model
-        self._model = model
-        self._attention = attention
-        self._shape = StepShape.of(model)
-        self._layers = [_Layer.of(layer) for layer in base.layers]
-        self._kernels: NativeKernels = base.dec_norm.native_kernels
+        super().__init__(model, attention)
+        self._kernels: NativeKernels = model.base_model.dec_norm.native_kernels
         self._buffers: tuple[torch.Tensor, ...] = ()
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module) -> Layer[NormWeight, int, int, Glu[int]]:
+        return Layer.of(layer, NormWeight.of, fused_qkv(panels), panels, fused_glu(panels))
 
     def _workspace(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
         """A step's buffers for ``num_tokens`` rows: views of buffers grown to the largest step
@@ -145,22 +125,21 @@ class NativeDecoder:
             )
         return tuple(buffer[:num_tokens] for buffer in self._buffers)
 
-    def __call__(
+    def _residual_stream(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         slot_mapping: torch.Tensor,
         plan: AttentionPlan,
         kv_caches: KVCaches,
-        last_n_tokens: int,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         batch, seq = input_ids.shape
         tokens = batch * seq
         k = self._kernels
         shape = self._shape
         hidden_dim, mlp_dim = shape.hidden_dim, shape.mlp_dim
         heads, kvheads, head_dim = shape.nheads, shape.kvheads, shape.head_dim
-        x = self._model.base_model.embedding(input_ids).reshape(tokens, hidden_dim)
+        x = self._embed(input_ids).reshape(tokens, hidden_dim)
         normed, qkv, queries, keys, attended, gate_up, activated = self._workspace(tokens)
         cos, signed_sin = shape.rope._tables(x.device, position_ids)
         qkv_width = qkv.shape[1]
@@ -179,10 +158,23 @@ class NativeDecoder:
             attended.data_ptr(),
         )
         gate_up_ptr, activated_ptr = gate_up.data_ptr(), activated.data_ptr()
+        residual = self._scalars.residual
+
+        def add_projection(a: int, weight: int, width: int) -> None:
+            """x += the projection of ``a`` (``width`` floats a row), as the family adds it."""
+            if residual is None:
+                k.linear_add(a, weight, x_ptr, tokens, width, hidden_dim)
+            else:
+                # fms's ``out * residual + x``: the projection into the norm's buffer (free
+                # once the projection before has read it), scaled, then added: two roundings.
+                k.linear(a, weight, normed_ptr, tokens, width, hidden_dim)
+                x.add_(normed.mul_(residual))
+
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
-            # x + attention(norm(x)), as fms's LLaMABlock: QKV, RoPE, KV store, attention, dense.
+            attn_norm, ff_norm, glu = layer.attn_norm, layer.ff_norm, layer.feed_forward
+            # x + attention(norm(x)), as the family's block: QKV, RoPE, KV store, attention, dense.
             k.rms_norm(
-                x_ptr, hidden_dim, layer.attn_norm, normed_ptr, tokens, hidden_dim, layer.attn_eps
+                x_ptr, hidden_dim, attn_norm.weight, normed_ptr, tokens, hidden_dim, attn_norm.eps
             )
             k.linear(normed_ptr, layer.qkv, qkv_ptr, tokens, hidden_dim, qkv_width)
             k.rope(qkv_ptr, qkv_width, cos_ptr, sin_ptr, queries_ptr, tokens, heads, head_dim)
@@ -192,18 +184,15 @@ class NativeDecoder:
                 values_in_qkv, qkv_width, slots_ptr, value_cache.data_ptr(), tokens, kv_width
             )
             self._attention(q_view, key_cache, value_cache, plan, shape.scale, out=out_view)
-            k.linear_add(attended_ptr, layer.dense, x_ptr, tokens, heads * head_dim, hidden_dim)
+            add_projection(attended_ptr, layer.dense, heads * head_dim)
             # x + GLU(norm(x)).
             k.rms_norm(
-                x_ptr, hidden_dim, layer.ff_norm, normed_ptr, tokens, hidden_dim, layer.ff_eps
+                x_ptr, hidden_dim, ff_norm.weight, normed_ptr, tokens, hidden_dim, ff_norm.eps
             )
-            k.linear(normed_ptr, layer.gate_up, gate_up_ptr, tokens, hidden_dim, 2 * mlp_dim)
+            k.linear(normed_ptr, glu.gate_up, gate_up_ptr, tokens, hidden_dim, 2 * mlp_dim)
             k.silu_mul(gate_up_ptr, activated_ptr, tokens, mlp_dim)
-            k.linear_add(activated_ptr, layer.down, x_ptr, tokens, mlp_dim, hidden_dim)
-        if last_n_tokens == 0:
-            return None
-        last = x.view(batch, seq, hidden_dim)[:, seq - last_n_tokens :]
-        return self._model.head(self._model.base_model.dec_norm(last))
+            add_projection(activated_ptr, glu.down, mlp_dim)
+        return x.view(batch, seq, hidden_dim)
 
 
 def checked_slots(

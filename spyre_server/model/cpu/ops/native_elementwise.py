@@ -1,14 +1,14 @@
 """The cpu backend's float32 and bfloat16 RMS norms, GLU activations and rotary embeddings on our
 own kernels (``kernels/elementwise_f32.cpp``, ``kernels/elementwise_bf16.cpp``).
 
-A decode step runs ~60 of each; through aten each is several ops (torch's CPU ``rms_norm`` alone
-is seven, and in bfloat16 fms adds an upcast, a downcast and the weight's product), and every op
-costs microseconds whatever its size. Here each is one call. The results match fms's to float32
-rounding (the norm's sum of squares and the SiLU's exp run in another order and precision; in
-bfloat16 the kernels round where fms's ops round, so a value differs at most where that float32
-rounding moves it across a bfloat16 rounding boundary); anything the kernels do not cover
-(another dtype, a norm with a mean or a shift or a low-precision pow, another activation,
-dropout while training) goes through the fast or fms code it replaces.
+A step runs about two of each per layer; through aten each is several ops (torch's CPU
+``rms_norm`` alone is seven, and in bfloat16 fms adds an upcast, a downcast and the weight's
+product), and every op has a fixed cost whatever its size. Here each is one call. The results
+match fms's to float32 rounding (the norm's sum of squares and the SiLU's exp run in another
+order and precision; in bfloat16 the kernels round where fms's ops round, so a value differs at
+most where that float32 rounding moves it across a bfloat16 rounding boundary); anything the
+kernels do not cover (another dtype, a norm with a mean or a shift or a low-precision pow,
+another activation, dropout while training) goes through the fast or fms code it replaces.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from fms.modules.feedforward import GatedLinearUnit
 
-from spyre_server.model.fast_norm import FastRMSNorm
-from spyre_server.model.fast_rope import FastRotaryEmbedding
-from spyre_server.model.native_kernels import NativeKernels
+from spyre_server.model.cpu.kernels.library import NativeKernels
+from spyre_server.model.cpu.ops.fast_norm import FastRMSNorm
+from spyre_server.model.cpu.ops.fast_rope import FastRotaryEmbedding
 
 
 class NativeRMSNorm(FastRMSNorm):

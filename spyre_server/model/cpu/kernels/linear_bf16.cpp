@@ -1,0 +1,356 @@
+// bfloat16 linear layer y = x @ w^T (+ bias) for the cpu backend, with the weight packed once.
+//
+// The arithmetic, exactly: every output y[m][n] is
+//     acc = +0 (float32)
+//     for p = 0 .. ceil(K / 2) - 1 (x[m][K] = w[n][K] = 0 when K is odd):
+//         acc = fma(x[m][2p + 1], w[n][2p + 1], acc)
+//         acc = fma(x[m][2p], w[n][2p], acc)
+//     y[m][n] = bf16(acc + bias[n])   (without a bias: bf16(acc))
+// in float32 with denormals flushed to zero (inputs, each partial sum and the bias add), rounded
+// to bfloat16 once at the end as torch rounds (to nearest, ties to even, NaN to 0x7FC0). A
+// product of two bfloat16 values is exact in float32, so each step rounds once. This is what the
+// AVX512-BF16 instruction vdpbf16ps computes per lane and pair (the odd element first, each add
+// rounded to nearest even, denormals as zero); the AVX2 code computes the same FMAs in the same
+// order under MXCSR's flush-to-zero and denormals-are-zero. So a row's result is the same bits
+// whatever other rows a call computes, whatever the blocking, the threads and the path (the
+// batch invariance the prefix cache relies on: DESIGN §4).
+//
+// Against the exact sum s (denormal terms aside): |y - s| <= 2^-8 |s| + (1 + 2^-8) e, with
+// e = (K + 2) * 2^-24 * (sum_k |x_k w_k| + |bias|): the float32 accumulation, then half a
+// bfloat16 step. F.linear in bfloat16 (float32 sums in another order, one rounding) is within
+// the same bound, so the two are within twice it of each other.
+//
+// Packed layout: output columns in blocks of 64 (a last partial block padded with zero
+// columns); block b holds, for each pair p, the 64 columns' (w[n][2p], w[n][2p + 1]) side by side:
+// 256 bytes per pair, so a block is one sequential stream of ceil(K / 2) * 256 bytes. Within a
+// pair's 256 bytes the columns go in four groups of 16 (one 512-bit register: 16 dwords, each a
+// pair, the even element in its low half, as vdpbf16ps takes it).
+//
+// Work: tasks of (one column block, a chunk of rows), column-block-major, split into one
+// contiguous range per thread, so a block's weights are read from memory once per call and stay
+// in cache while the thread goes through the row chunks. A call of up to kDecodeRows rows (a
+// decode step) is one row chunk: every weight byte is read once, in one stream per thread (the
+// memory-bandwidth bound). Within a task the sums run over chunks of pairs, every row block per
+// chunk (the chunk of weights stays in cache for the other row blocks); the partial sums are
+// stored and reloaded exactly between chunks, so the bits equal one pass.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+constexpr int64_t kBlockCols = 64;    // output columns per packed block
+constexpr int64_t kPairValues = 128;  // bfloat16 values of one pair of a block (64 columns x 2)
+constexpr int64_t kDecodeRows = 16;   // up to this many rows: one row chunk (weights read once)
+constexpr int64_t kRowChunk = 48;     // rows per task above that (a multiple of both row blocks)
+constexpr int64_t kDecodePairs = 128;   // pairs per chunk of the sums, decode: 32 KB of weights
+constexpr int64_t kPrefillPairs = 1024;  // ... and above kDecodeRows rows: 256 KB
+
+constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush to zero, denormals are zero
+
+inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
+inline int64_t blocks_of(int64_t N) { return (N + kBlockCols - 1) / kBlockCols; }
+
+// Where a task's sums go and come from.
+struct Task {
+    const uint16_t* x;   // its first row
+    int64_t K;           // x's row stride and the sum's length
+    const uint16_t* w;   // its block's pairs
+    const uint16_t* bias;  // its block's first column's bias, or nullptr
+    uint16_t* y;         // its first row's first column of the block
+    int64_t N;           // y's row stride
+    int64_t cols;        // columns of the block that exist (64, or fewer in the last block)
+};
+
+// ---------------------------------------------------------------- AVX2: bfloat16 widened to FMA
+
+// Rows [0, MR) of x, widened to float32 (row stride ldxf), pairs [p0, p1) against the 16
+// columns of group j, added into acc [MR][2] (two 8-column halves).
+template <int MR>
+inline void group_avx2(const float* xf, int64_t ldxf, const uint16_t* w, int64_t j, int64_t p0,
+                       int64_t p1, __m256 (&acc)[MR][2]) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t p = p0; p < p1; p++) {
+        const uint16_t* wp = w + p * kPairValues + j * 32;
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + 16));
+        const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+        const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+        const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+        UNROLL for (int i = 0; i < MR; i++) {
+            const __m256 xo = _mm256_broadcast_ss(xf + i * ldxf + 2 * p + 1);
+            const __m256 xe = _mm256_broadcast_ss(xf + i * ldxf + 2 * p);
+            acc[i][0] = _mm256_fmadd_ps(xe, even0, _mm256_fmadd_ps(xo, odd0, acc[i][0]));
+            acc[i][1] = _mm256_fmadd_ps(xe, even1, _mm256_fmadd_ps(xo, odd1, acc[i][1]));
+        }
+    }
+}
+
+// y = bf16(acc + bias) for 8 columns from c0 (of which `cols - c0` exist, capped at 8).
+inline void finish8(__m256 acc, const uint16_t* bias, int64_t c0, int64_t cols, uint16_t* y) {
+    if (bias != nullptr) {
+        alignas(32) uint16_t b[8] = {};
+        for (int64_t c = 0; c < 8 && c0 + c < cols; c++) b[c] = bias[c0 + c];
+        const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(b));
+        acc = _mm256_add_ps(acc, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    const __m256i u = _mm256_castps_si256(acc);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    if (c0 + 8 <= cols) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + c0), packed);
+    } else {
+        alignas(16) uint16_t tmp[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+        for (int64_t c = c0; c < cols; c++) y[c] = tmp[c - c0];
+    }
+}
+
+// MR rows (from row r of the task) x the block's 64 columns, pairs [p0, p1).
+template <int MR>
+inline void rows_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t r, int64_t p0,
+                      int64_t p1, bool resume, bool finish, float* partial) {
+    for (int64_t j = 0; j < kBlockCols / 16; j++) {
+        __m256 acc[MR][2];
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int h = 0; h < 2; h++)
+            acc[i][h] = resume ? _mm256_load_ps(partial + (r + i) * kBlockCols + j * 16 + h * 8)
+                               : _mm256_setzero_ps();
+        group_avx2<MR>(xf + r * ldxf, ldxf, t.w, j, p0, p1, acc);
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int h = 0; h < 2; h++) {
+            if (finish)
+                finish8(acc[i][h], t.bias, j * 16 + h * 8, t.cols, t.y + (r + i) * t.N);
+            else
+                _mm256_store_ps(partial + (r + i) * kBlockCols + j * 16 + h * 8, acc[i][h]);
+        }
+    }
+}
+
+// x widened to float32, [M][2 * pairs] (a zero after an odd K's last value), in the calling
+// thread's buffer (kept and grown); nullptr without memory.
+inline float* widen_rows(const uint16_t* x, int64_t M, int64_t K) {
+    thread_local float* buffer = nullptr;
+    thread_local int64_t capacity = 0;
+    const int64_t ld = 2 * pairs_of(K), need = M * ld;
+    if (need > capacity) {
+        free(buffer);
+        buffer = static_cast<float*>(aligned_alloc(64, (need * 4 + 63) / 64 * 64));
+        capacity = buffer == nullptr ? 0 : need;
+        if (buffer == nullptr) return nullptr;
+    }
+    float* out = buffer;  // (thread_local: the workers below must not read their own)
+    #pragma omp parallel for schedule(static) if (need >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++) {
+            const uint32_t u = static_cast<uint32_t>(x[m * K + k]) << 16;
+            __builtin_memcpy(out + m * ld + k, &u, 4);
+        }
+        if (K % 2) out[m * ld + K] = 0.0f;
+    }
+    return out;
+}
+
+constexpr int kRowsAvx2 = 4;
+
+// A task's rows [0, rows) on AVX2: xf is the task's first row, widened.
+inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows, int64_t chunk,
+                      float* partial) {
+    const int64_t P = pairs_of(t.K);
+    for (int64_t p0 = 0; p0 < P; p0 += chunk) {
+        const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
+        const bool resume = p0 > 0, finish = p1 == P;
+        int64_t r = 0;
+        for (; r + kRowsAvx2 <= rows; r += kRowsAvx2)
+            rows_avx2<kRowsAvx2>(t, xf, ldxf, r, p0, p1, resume, finish, partial);
+        switch (rows - r) {
+            case 3: rows_avx2<3>(t, xf, ldxf, r, p0, p1, resume, finish, partial); break;
+            case 2: rows_avx2<2>(t, xf, ldxf, r, p0, p1, resume, finish, partial); break;
+            case 1: rows_avx2<1>(t, xf, ldxf, r, p0, p1, resume, finish, partial); break;
+            default: break;
+        }
+    }
+}
+
+// ------------------------------------------------------------ AVX512-BF16: vdpbf16ps per pair
+
+#if defined(__clang__) ? __clang_major__ >= 9 : defined(__GNUC__) && __GNUC__ >= 10
+#define SPYRE_LINEAR_BF16_DOT 1
+#define DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+constexpr int kRowsDot = 6;  // 6 rows x 4 groups of 16 columns: 24 of the 32 registers
+
+// MR rows from row r of the task x the block's 64 columns, pairs [p0, p1): the x pair of row i
+// broadcast to every lane, one vdpbf16ps per group. An odd K's last pair takes x's last value
+// alone (zero in the odd half), as the zero-padded weight does.
+template <int MR>
+DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool resume,
+                         bool finish, float* partial) {
+    const int64_t full = t.K / 2;  // pairs with both values in x
+    const uint16_t* x = t.x + r * t.K;
+    __m512 acc[MR][4];
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < 4; j++)
+        acc[i][j] = resume ? _mm512_load_ps(partial + (r + i) * kBlockCols + j * 16) : _mm512_setzero_ps();
+    const int64_t end = p1 < full ? p1 : full;
+    for (int64_t p = p0; p < end; p++) {
+        const uint16_t* wp = t.w + p * kPairValues;
+        __m512bh w[4];
+        UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
+        UNROLL for (int i = 0; i < MR; i++) {
+            int32_t pair;
+            __builtin_memcpy(&pair, x + i * t.K + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            UNROLL for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+        }
+    }
+    if (p1 > full && full >= p0) {  // an odd K's last pair, in this chunk
+        const uint16_t* wp = t.w + full * kPairValues;
+        __m512bh w[4];
+        UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
+        UNROLL for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[i * t.K + 2 * full]);
+            UNROLL for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+        }
+    }
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < 4; j++) {
+        if (!finish) {
+            _mm512_store_ps(partial + (r + i) * kBlockCols + j * 16, acc[i][j]);
+            continue;
+        }
+        const int64_t c0 = j * 16;
+        if (c0 >= t.cols) continue;
+        const __mmask16 valid = t.cols - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (t.cols - c0)) - 1);
+        __m512 v = acc[i][j];
+        if (t.bias != nullptr) {
+            const __m256i b = _mm256_maskz_loadu_epi16(valid, t.bias + c0);
+            v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+        }
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+        _mm256_mask_storeu_epi16(t.y + (r + i) * t.N + c0, valid, _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
+DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, float* partial) {
+    const int64_t P = pairs_of(t.K);
+    for (int64_t p0 = 0; p0 < P; p0 += chunk) {
+        const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
+        const bool resume = p0 > 0, finish = p1 == P;
+        int64_t r = 0;
+        for (; r + kRowsDot <= rows; r += kRowsDot) rows_dot<kRowsDot>(t, r, p0, p1, resume, finish, partial);
+        switch (rows - r) {
+            case 5: rows_dot<5>(t, r, p0, p1, resume, finish, partial); break;
+            case 4: rows_dot<4>(t, r, p0, p1, resume, finish, partial); break;
+            case 3: rows_dot<3>(t, r, p0, p1, resume, finish, partial); break;
+            case 2: rows_dot<2>(t, r, p0, p1, resume, finish, partial); break;
+            case 1: rows_dot<1>(t, r, p0, p1, resume, finish, partial); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+const bool kCpuDot = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16"));
+
+inline bool dot_path(int avx512) {
+#ifdef SPYRE_LINEAR_BF16_DOT
+    return avx512 != 0 && kCpuDot;
+#else
+    (void)avx512;
+    return false;
+#endif
+}
+
+// Every task of a call: one contiguous range of the column-block-major tasks per thread.
+// Returns 1 (AVX512-BF16) or 0 (AVX2), or -1 where the AVX2 code found no memory for one row.
+int linear(bool dot, const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
+           int64_t M, int64_t K, int64_t N) {
+    const float* xf = nullptr;
+    const int64_t ldxf = 2 * pairs_of(K);
+    if (!dot) {
+        xf = widen_rows(x, M, K);
+        if (xf == nullptr) {  // no memory for the widened rows: the same sums a row at a time
+            if (M == 1) return -1;
+            for (int64_t m = 0; m < M; m++)
+                if (linear(false, x + m * K, packed, bias, y + m * N, 1, K, N) < 0) return -1;
+            return 0;
+        }
+    }
+    const int64_t row_chunk = M <= kDecodeRows ? M : kRowChunk;
+    const int64_t chunk = M <= kDecodeRows ? kDecodePairs : kPrefillPairs;
+    const int64_t num_chunks = (M + row_chunk - 1) / row_chunk, blocks = blocks_of(N);
+    const int64_t tasks = blocks * num_chunks, P = pairs_of(K);
+    #pragma omp parallel
+    {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | kFlushDenormals);
+        alignas(64) float partial[kRowChunk * kBlockCols];
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
+        for (int64_t task = first; task < last; task++) {
+            const int64_t b = task / num_chunks, r0 = task % num_chunks * row_chunk;
+            const int64_t rows = M - r0 < row_chunk ? M - r0 : row_chunk;
+            const int64_t c0 = b * kBlockCols;
+            const Task t{x + r0 * K, K, packed + b * P * kPairValues,
+                         bias == nullptr ? nullptr : bias + c0, y + r0 * N + c0, N,
+                         N - c0 < kBlockCols ? N - c0 : kBlockCols};
+#ifdef SPYRE_LINEAR_BF16_DOT
+            if (dot) {
+                task_dot(t, rows, chunk, partial);
+                continue;
+            }
+#endif
+            task_avx2(t, xf + r0 * ldxf, ldxf, rows, chunk, partial);
+        }
+        _mm_setcsr(csr);
+    }
+    return dot ? 1 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 where spyre_linear_bf16 computes with vdpbf16ps when its avx512 argument is nonzero (the
+// CPU has AVX512-BF16 and the compiler could build that code), else 0 (AVX2 then, the same bits).
+int spyre_linear_bf16_dot_supported() { return dot_path(1) ? 1 : 0; }
+
+// bfloat16 values of the packed form of an [N][K] weight.
+int64_t spyre_linear_bf16_packed_numel(int64_t N, int64_t K) {
+    return blocks_of(N) * pairs_of(K) * kPairValues;
+}
+
+// w: [N][K] row-major bfloat16; packed: spyre_linear_bf16_packed_numel(N, K) values, 64-byte
+// aligned.
+void spyre_linear_bf16_pack(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K) {
+    const int64_t P = pairs_of(K), blocks = blocks_of(N);
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t c = 0; c < kBlockCols; c++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t n = b * kBlockCols + c, k = 2 * p + e;
+                    packed[(b * P + p) * kPairValues + 2 * c + e] = n < N && k < K ? w[n * K + k] : 0;
+                }
+}
+
+// y [M][N] = x [M][K] @ w^T (+ bias [N] where bias is not null), all bfloat16, contiguous, as
+// the arithmetic above says. avx512 nonzero: vdpbf16ps where the CPU has AVX512-BF16 (returns
+// 1), else AVX2 and FMA (returns 0): the same bits. Returns -1, y unwritten, where the AVX2
+// code cannot allocate its float32 copy of one row of x.
+int spyre_linear_bf16(int avx512, const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
+                      uint16_t* y, int64_t M, int64_t K, int64_t N) {
+    return linear(dot_path(avx512), x, packed, bias, y, M, K, N);
+}
+
+}  // extern "C"

@@ -1,0 +1,153 @@
+"""The cpu backend's float32 and bfloat16 linear layers on our own kernels
+(``kernels/linear_f32.cpp``, ``kernels/linear_bf16.cpp``).
+
+``NativeLinear`` (float32) and ``NativeBf16Linear`` (bfloat16) pack their weight once into their
+kernel's layout (a copy: the token embedding a tied LM head shares keeps its tensor) and compute
+``x @ weight.T + bias`` with it. They are for inference on x86-64 with AVX2 and FMA;
+``kernels/library.py`` builds and loads the kernels and says why where it cannot.
+
+Both compute every output with the same arithmetic whatever the number of rows of a call
+(batch invariance: a row's result is the same bits in any step, DESIGN §4):
+
+- float32: matches ``F.linear`` to float32 rounding (the sums run in another order);
+- bfloat16: float32 sums in a fixed order over pairs of inputs, rounded to bfloat16 once (with
+  the bias added before the rounding), denormals flushed to zero, as the AVX512-BF16 dot
+  product computes them; ``kernels/linear_bf16.cpp`` states the arithmetic exactly and its
+  distance from ``F.linear``. ``F.linear`` itself (oneDNN) computes a step of one row another
+  way than a step of several, so it does not have this property.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spyre_server.model.cpu.kernels.library import NativeKernels
+from spyre_server.model.cpu.ops.packed_linear import replace_linears
+
+_PANEL_ALIGNMENT = 32
+"""Bytes: the float32 kernel reads the panels with aligned AVX loads."""
+_PACKED_ALIGNMENT = 64
+"""Bytes: the bfloat16 kernel reads the packed weight with aligned 512-bit loads."""
+
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+"""What the native linear kernels compute."""
+
+
+class NativeLinear(torch.nn.Module):
+    panels: torch.Tensor
+    kernels: NativeKernels
+    """The kernels it runs on (their ``avx512``: its width)."""
+    _linear: Callable[[int, int, int, int, int, int], int]
+
+    def __init__(self, linear: torch.nn.Linear, kernels: NativeKernels) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(
+                f"NativeLinear takes float32 CPU weights, not {weight.dtype} on {weight.device}"
+            )
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = weight.contiguous()
+        panels = torch.empty(kernels.packed_numel(self.out_features, self.in_features))
+        assert panels.data_ptr() % _PANEL_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
+        kernels.pack(weight.data_ptr(), panels.data_ptr(), self.out_features, self.in_features)
+        self.register_buffer("panels", panels, persistent=False)
+        self.bias = linear.bias
+        self.kernels = kernels
+        self._linear = kernels.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"NativeLinear computes in float32; got {x.dtype} input")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features)
+        if rows.shape[0]:
+            self._linear(
+                rows.data_ptr(),
+                self.panels.data_ptr(),
+                out.data_ptr(),
+                rows.shape[0],
+                self.in_features,
+                self.out_features,
+            )
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, native"
+
+
+class NativeBf16Linear(torch.nn.Module):
+    """``F.linear`` in bfloat16 on ``kernels/linear_bf16.cpp``, the weight packed once."""
+
+    packed: torch.Tensor
+    kernels: NativeKernels
+    """The kernels it runs on (their ``linear_bf16_dot``: AVX512-BF16 or AVX2)."""
+    _linear: Callable[[int, int, int | None, int, int, int, int], int]
+
+    def __init__(self, linear: torch.nn.Linear, kernels: NativeKernels) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            raise ValueError(
+                f"NativeBf16Linear takes bfloat16 CPU weights, not {weight.dtype} on "
+                f"{weight.device}"
+            )
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = weight.contiguous()
+        numel = kernels.linear_bf16_packed_numel(self.out_features, self.in_features)
+        packed = torch.empty(numel, dtype=torch.bfloat16)
+        assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
+        kernels.linear_bf16_pack(
+            weight.data_ptr(), packed.data_ptr(), self.out_features, self.in_features
+        )
+        self.register_buffer("packed", packed, persistent=False)
+        self.bias = linear.bias
+        # What the kernel reads: the bias as contiguous bfloat16 (the parameter itself, mostly).
+        self._bias = None if linear.bias is None else linear.bias.detach().bfloat16().contiguous()
+        self.kernels = kernels
+        self._linear = kernels.linear_bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"NativeBf16Linear computes in bfloat16; got {x.dtype} input")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if rows.shape[0]:
+            status = self._linear(
+                rows.data_ptr(),
+                self.packed.data_ptr(),
+                None if self._bias is None else self._bias.data_ptr(),
+                out.data_ptr(),
+                rows.shape[0],
+                self.in_features,
+                self.out_features,
+            )
+            if status < 0:
+                raise MemoryError("the bfloat16 linear kernel found no memory for one row")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias="
+            f"{self.bias is not None}, native bfloat16"
+        )
+
+
+def use_native_linears(model: torch.nn.Module, kernels: NativeKernels) -> int:
+    """Replace every plain linear layer of ``model`` (in place) by a NativeLinear (float32
+    weights) or a NativeBf16Linear (bfloat16 weights); returns how many. Raises ValueError for
+    a weight of another dtype."""
+
+    def native(linear: torch.nn.Linear) -> torch.nn.Module:
+        if linear.weight.dtype == torch.bfloat16:
+            return NativeBf16Linear(linear, kernels)
+        return NativeLinear(linear, kernels)
+
+    return replace_linears(model, native)
