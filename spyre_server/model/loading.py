@@ -2,29 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from spyre_server.config import Config
-from spyre_server.model.native_kernels import cpu_flags
+from spyre_server.model.checkpoint import load_checkpoint
+from spyre_server.model.cpu.kernels.library import cpu_flags
+from spyre_server.model.errors import ModelLoadError
+from spyre_server.model.hf_config import ModelSpec, check_serving, read_model_spec
+from spyre_server.model.rope import install_rope, rope_length, rotary_embeddings
 from spyre_server.model.runner import kv_cache_shape
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
 logger = logging.getLogger(__name__)
 
 _FAST_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
-
-
-class ModelLoadError(RuntimeError):
-    """The configured model cannot be served; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +35,8 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_id: int | None
     vocab_size: int
+    spec: ModelSpec | None = None
+    """What config.json says the model is (None for a model not loaded from a checkpoint)."""
 
 
 def served_model_name(config: Config, loaded: LoadedModel) -> str:
@@ -101,21 +102,47 @@ def resolve_model_path(config: Config, progress: Any = None) -> Path:
     return prepare_default_model(cache_dir, progress=progress)
 
 
-def load_model(path: Path, dtype: torch.dtype) -> LoadedModel:
-    """Load an HF-format checkpoint with fms and its tokenizer from the same folder."""
-    from fms.models import get_model
+def fused_weights_for(config: Config) -> bool:
+    """Whether ``config``'s backend loads the model with fms's fused projections (one
+    query-key-value matrix, one gate-up matrix: fms's default, which the cpu backend packs) or
+    unfused, as the reference loads it for the Spyre card (sendnn-inference 2.6.3,
+    model_executor/model_loader/spyre.py: ``get_model(..., fused_weights=False)``): unfused on
+    the spyre backend."""
+    return config.model.backend != "spyre"
+
+
+def load_model(path: Path, dtype: torch.dtype, *, fused_weights: bool = True) -> LoadedModel:
+    """Load an HF-format checkpoint and the tokenizer of the same folder: the fms model that
+    config.json describes (``hf_config.read_model_spec``: refused by name where it would not
+    compute what HF transformers computes), every parameter filled from the checkpoint and
+    every tensor of the checkpoint used (``checkpoint.load_checkpoint``), rotary embeddings as
+    HF computes them (``rope.install_rope``). ``fused_weights=False``: the model built with
+    unfused projections, which fms's adapters then fill unfused (``fused_weights_for(config)``
+    says which a backend wants); fms's Mixtral has no unfused form and stays fused."""
     from transformers import AutoTokenizer
 
     check_readable(path)
     check_temp_dir()
+    spec = read_model_spec(path)
+    if not fused_weights and spec.fms_architecture != "mixtral":
+        spec = replace(spec, fms_config=spec.fms_config.updated(fused_weights=False))
+    model = build_model(spec)
     try:
-        model = get_model("hf_pretrained", model_path=str(path), data_type=dtype, device_type="cpu")
-    except Exception as exc:
-        architectures = _architectures(path)
+        load_checkpoint(model, path, spec, dtype)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # an unreadable file, a corrupt shard
         raise ModelLoadError(
-            f"fms cannot load the model at {path} (architectures {architectures}): "
+            f"cannot load the checkpoint at {path} ({spec.architecture}): "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    if spec.rope is not None:
+        install_rope(model, spec.rope)  # before post_init, which then keeps these tables
+    elif rotary_embeddings(model):
+        raise ModelLoadError(f"fms's {spec.fms_architecture} has rotary embeddings, {path} none")
+    post_init = getattr(model, "post_init", None)
+    if callable(post_init):
+        post_init()
     model.eval()
     kv_cache_shape(model)  # fails early for models without fms attention modules
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -130,7 +157,57 @@ def load_model(path: Path, dtype: torch.dtype) -> LoadedModel:
         dtype=dtype,
         eos_token_id=tokenizer.eos_token_id,
         vocab_size=embeddings[0].num_embeddings,
+        spec=spec,
     )
+
+
+def build_model(spec: ModelSpec) -> torch.nn.Module:
+    """fms's model of ``spec`` on the meta device (no memory; ``load_checkpoint`` fills it)."""
+    from fms.models.gpt_bigcode import GPTBigCode
+    from fms.models.granite import Granite
+    from fms.models.llama import LLaMA
+    from fms.models.mistral import Mistral
+    from fms.models.mixtral import Mixtral
+    from fms.models.qwen3 import Qwen3
+
+    classes: dict[str, type[torch.nn.Module]] = {
+        "llama": LLaMA,
+        "granite": Granite,
+        "mistral": Mistral,
+        "mixtral": Mixtral,
+        "gpt_bigcode": GPTBigCode,
+        "qwen3": Qwen3,
+    }
+    try:
+        with torch.device("meta"):
+            return classes[spec.fms_architecture](spec.fms_config)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"fms cannot build {spec.architecture} from config.json: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def sliding_window_attention(config: Config) -> bool:
+    """Whether the attention of ``config``'s backend applies the model's sliding window
+    (``model.config.sliding_window`` on the layers ``model.config.sliding_window_layers``). This
+    is the one place that says so: while it says no, a window shorter than
+    ``model.max_model_len`` is refused at start. Both backends apply a window on every layer
+    (``runner.attention_window``)."""
+    return True
+
+
+def check_serving_config(config: Config, loaded: LoadedModel) -> None:
+    """Refuse serving ``loaded`` with ``config`` where the results would not be HF's
+    (``hf_config.check_serving``: rope types exact up to a length, learned positions, sliding
+    windows), and make its rotary tables cover ``model.max_model_len`` positions (HF rotates
+    any position)."""
+    spec = loaded.spec
+    if spec is None:
+        return
+    max_model_len = config.model.max_model_len
+    check_serving(spec, max_model_len, sliding_window_attention=sliding_window_attention(config))
+    if spec.rope is not None and (rope_length(loaded.model) or 0) < max_model_len:
+        install_rope(loaded.model, spec.rope, max_model_len)
 
 
 def check_readable(path: Path) -> None:
@@ -166,13 +243,6 @@ def check_temp_dir() -> None:
             "one at /tmp (docker/podman run --read-only --tmpfs /tmp; an emptyDir volume in "
             "Kubernetes), or point TMPDIR at a writable directory"
         ) from None
-
-
-def _architectures(path: Path) -> list[str]:
-    try:
-        return list(json.loads((path / "config.json").read_text()).get("architectures", []))
-    except (OSError, ValueError):
-        return []
 
 
 def num_kv_blocks(config: Config, model: torch.nn.Module, dtype: torch.dtype) -> int:

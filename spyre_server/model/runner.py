@@ -10,6 +10,7 @@ cached-token accounting follows that declaration.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -18,7 +19,7 @@ import torch
 from fms.modules.attention import MultiHeadAttention
 
 from scheduler import DecodeBatch, PrefillChunk, PrefillCompute, ScheduledStep
-from spyre_server.sampling import SamplingParams, SequenceSampling, TokenLogprobs, sample
+from spyre_server.sample.sampler import SamplingParams, SequenceSampling, TokenLogprobs, sample
 
 SamplingInputs = Mapping[str, SamplingParams | SequenceSampling]
 """What the sampler needs of each request of a step, by request id."""
@@ -49,6 +50,34 @@ def kv_cache_shape(model: torch.nn.Module) -> KVCacheShape:
     return KVCacheShape(len(attentions), first.kvheads, first.emb_kq_per_head)
 
 
+def attention_window(model: torch.nn.Module, max_model_len: int) -> int | None:
+    """The sliding window (in keys, HF transformers' ``sliding_window``) the runners apply to
+    every layer of ``model``: its config's ``sliding_window``, on the layers its
+    ``sliding_window_layers`` names (every layer where it names none); None without one, or
+    when it is at least ``max_model_len`` (it then hides no key). A window on some layers only
+    is a ValueError (loading refuses it first)."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= max_model_len:
+        return None
+    layers = getattr(config, "sliding_window_layers", None)
+    num_layers = kv_cache_shape(model).num_layers
+    if layers is not None and len(layers) != num_layers:
+        raise ValueError(
+            f"a sliding window on {len(layers)} of {num_layers} layers: the runners apply one "
+            "window to every layer"
+        )
+    return int(window)
+
+
+def query_heads(model: torch.nn.Module) -> int:
+    """The query heads of the model's first attention module."""
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            return int(module.nheads)
+    raise ValueError(f"{type(model).__name__} has no fms MultiHeadAttention modules")
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     sampled_token_ids: dict[str, int]
@@ -66,7 +95,8 @@ class ProgramShape:
     """``prefill`` or ``decode``."""
     shape: str
     """``"{batch}x{tokens}"``: ``1x256`` for a 256-position prefill window, ``8x1`` for a
-    decode batch of 8. The block-table width is a dynamic dimension of the same program."""
+    decode batch of 8. The block-table width is a dynamic dimension of the same program, and
+    so is a decode batch's size: one compiled graph serves every decode shape."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +104,24 @@ class ProgramStats:
     """Fixed-shape programs of a backend that compiles them (``None`` for one that does not)."""
 
     warmed: frozenset[ProgramShape]
-    """The programs warmed up at start (empty before warm-up); a step outside is a bug."""
+    """The step shapes the warmed-up graphs serve (empty before warm-up); a step outside is a
+    bug."""
     num_steps: Mapping[ProgramShape, int]
-    """Steps run per program since warm-up."""
+    """Steps run per step shape since warm-up."""
+    graphs: Mapping[str, int] = field(default_factory=dict)
+    """Graphs compiled by the warm-up, per kind (``prefill``, ``decode``): what the compiler
+    built. The dynamic dimensions make it one of each for every shape in ``warmed``."""
+    graphs_after_warmup: int = 0
+    """Graphs compiled after warm-up: a step no warmed graph served (0 when all is well)."""
 
 
 class ModelRunner(abc.ABC):
     prefill_compute: ClassVar[PrefillCompute]
     supports_prompt_logits: ClassVar[bool]
     """Whether the backend can return the logits of every prompt position (echo + logprobs)."""
+    supports_inference_mode: ClassVar[bool] = True
+    """Whether the backend's steps may run under ``torch.inference_mode`` (else
+    ``torch.no_grad``); ``grad_mode`` reads it."""
 
     def __init__(
         self, model: torch.nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype
@@ -110,31 +149,39 @@ class ModelRunner(abc.ABC):
     def program_stats(self) -> ProgramStats | None:
         return None
 
-    @torch.inference_mode()
+    def grad_mode(self) -> contextlib.AbstractContextManager[object]:
+        """The autograd mode of every step and of the warm-up: the one place that decides it.
+        ``torch.inference_mode`` where the backend supports it (cpu), else ``torch.no_grad``
+        (spyre: the reference stack, sendnn-inference 2.6.3, runs every Spyre step and its
+        warm-up under ``torch.no_grad``; its platform.py ``inference_mode``: "Spyre does not
+        support torch.inference_mode")."""
+        return torch.inference_mode() if self.supports_inference_mode else torch.no_grad()
+
     def execute(self, step: ScheduledStep, params: SamplingInputs) -> StepResult:
         """Run the step, write its KV, and sample a token for every row that must produce one."""
-        if isinstance(step, PrefillChunk) and step.needs_prompt_logits:
-            return self._prefill_with_prompt_logprobs(step, params)
-        logits = self.compute_logits(step)
-        if logits is None:
-            return StepResult({}, {})
-        if isinstance(step, PrefillChunk):
-            return self._sample(logits, [step.request_id], [step.positions[-1] + 1], params)
-        return self._sample(
-            logits,
-            [e.request_id for e in step.entries],
-            [e.position + 1 for e in step.entries],
-            params,
-        )
+        with self.grad_mode():
+            if isinstance(step, PrefillChunk) and step.needs_prompt_logits:
+                return self._prefill_with_prompt_logprobs(step, params)
+            logits = self.compute_logits(step)
+            if logits is None:
+                return StepResult({}, {})
+            if isinstance(step, PrefillChunk):
+                return self._sample(logits, [step.request_id], [step.positions[-1] + 1], params)
+            return self._sample(
+                logits,
+                [e.request_id for e in step.entries],
+                [e.position + 1 for e in step.entries],
+                params,
+            )
 
-    @torch.inference_mode()
     def compute_logits(self, step: ScheduledStep) -> torch.Tensor | None:
         """Run the step's forward pass (writing its KV) and return the logits ``[rows, vocab]``
         of the rows that must sample: the last prefill chunk's final position, or every decode
         entry in order. ``None`` for a prefill chunk that samples nothing."""
-        if isinstance(step, PrefillChunk):
-            return self._prefill(step)
-        return self._decode(step)
+        with self.grad_mode():
+            if isinstance(step, PrefillChunk):
+                return self._prefill(step)
+            return self._decode(step)
 
     def _prefill_with_prompt_logprobs(
         self, step: PrefillChunk, params: SamplingInputs
