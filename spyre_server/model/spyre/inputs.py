@@ -9,6 +9,10 @@ attends over ``left_padding .. tkv`` of that table, causally aligned to the end.
 
 Decode: ``[batch, 1]``. Each row's block table is left-padded with block 0 to the longest table
 of the batch, and the row attends over ``left_padding .. left_padding + position + 1``.
+
+In both, the key at ``left_padding + j`` of a row's table is the key at position j, so a sliding
+window needs no other input: the programs' attention masks the keys outside each query's window
+(runner.py), and the block table still names every block of the context.
 """
 
 from __future__ import annotations
