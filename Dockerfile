@@ -9,9 +9,12 @@
 #                    base: keep the torch that the base image's python3 already has (a Spyre
 #                    runtime image's, which torch_sendnn was built for); the build fails if that
 #                    torch does not satisfy pyproject.toml.
-#   TORCH_INDEX_URL  where the CPU torch comes from (default: download.pytorch.org's CPU index).
+#   TORCH_INDEX_URL  an index with the CPU build of torch 2.13.0 (PyTorch's CPU wheel index, or a
+#                    mirror of it). Empty (default): pip's own index settings below must offer
+#                    it; a CUDA build stops the build with a message naming this argument.
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST
-#                    pip's own settings, for a mirror or an air-gapped index (default: PyPI).
+#                    pip's own settings, for a mirror or an air-gapped index (default: pip's
+#                    default index). Pass the host's: --build-arg PIP_INDEX_URL="$PIP_INDEX_URL".
 # Every other package is pinned by docker/requirements.lock (scripts/lock-image.sh writes it).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -22,13 +25,13 @@ FROM ${BASE_IMAGE} AS deps
 # hadolint ignore=DL3002
 USER 0
 ARG TORCH=cpu
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_INDEX_URL=
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_TRUSTED_HOST
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY docker/requirements.lock docker/locked_requirements.py /tmp/build/
+COPY docker/requirements.lock docker/locked_requirements.py docker/cpu_torch.py /tmp/build/
 # TORCH=base: the venv also sees the base python3's site-packages (after its own), through a .pth
 # file; this works whether that python3 is the system's or a venv's.
 RUN set -eu; \
@@ -44,7 +47,9 @@ RUN set -eu; \
         /opt/venv/bin/python /tmp/build/locked_requirements.py --skip-installed \
             /tmp/build/requirements.lock > /tmp/build/requirements.txt; \
     else \
-        /opt/venv/bin/pip install --no-deps --index-url "${TORCH_INDEX_URL}" torch==2.13.0; \
+        /opt/venv/bin/pip install --no-deps ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} \
+            torch==2.13.0; \
+        /opt/venv/bin/python /tmp/build/cpu_torch.py; \
         /opt/venv/bin/python /tmp/build/locked_requirements.py \
             /tmp/build/requirements.lock > /tmp/build/requirements.txt; \
     fi; \
@@ -69,8 +74,7 @@ store.prepare_default_model(pathlib.Path('/opt/spyre-server/models'), progress=p
 FROM ${BASE_IMAGE} AS kernels
 # hadolint ignore=DL3002
 USER 0
-COPY spyre_server/model/native_kernels.py /tmp/build/native_kernels.py
-COPY spyre_server/model/kernels /tmp/build/kernels
+COPY spyre_server/model/cpu/kernels /tmp/build/kernels
 # The compiler is whatever the base's package manager has (it builds one file; no pin, no
 # cleanup: this stage is discarded).
 # hadolint ignore=DL3008,DL3040,DL3041
@@ -87,7 +91,7 @@ RUN set -eu; \
         else \
             echo "the kernels stage needs apt-get, dnf or microdnf to install g++" >&2; exit 1; \
         fi; \
-        python3 /tmp/build/native_kernels.py --into /opt/spyre-server/kernels; \
+        python3 /tmp/build/kernels/library.py --into /opt/spyre-server/kernels; \
     fi; \
     chgrp -R 0 /opt/spyre-server && chmod -R g=u,o+rX /opt/spyre-server
 
@@ -121,11 +125,16 @@ RUN pip install --no-deps --no-build-isolation /tmp/src \
     && python /tmp/check_install.py --torch "${TORCH}" \
     && rm -rf /tmp/src /tmp/check_install.py
 COPY config.yaml /etc/spyre-server/config.yaml
+# The entrypoint sets up the Spyre card on the spyre backend (see the script), with the Spyre
+# runtime's configuration file in the home folder, as the reference image has it.
+COPY docker/entrypoint.sh /usr/local/bin/spyre-server-entrypoint
+COPY --chown=1000:0 docker/.senlib.json /home/spyre/.senlib.json
 USER 1000:0
 WORKDIR /home/spyre
 EXPOSE 8000
 # Finds the port the server listens on (config file, flag or environment alike).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["/opt/venv/bin/python", "-m", "spyre_server.healthcheck"]
-ENTRYPOINT ["spyre-server", "serve"]
+    CMD ["/opt/venv/bin/python", "-m", "spyre_server.entrypoints.healthcheck"]
+# spyre-server serve with these arguments (or another command named first: compile, ...).
+ENTRYPOINT ["/usr/local/bin/spyre-server-entrypoint"]
 CMD ["--config", "/etc/spyre-server/config.yaml"]

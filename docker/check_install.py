@@ -41,7 +41,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    import spyre_server.serve  # noqa: F401  (imports fastapi, uvicorn, fms, transformers, ...)
+    import spyre_server.entrypoints.serve  # noqa: F401  (imports fastapi, uvicorn, fms, transformers, ...)
 
     problems = unmet_requirements("spyre-server")
     in_venv = torch.__file__.startswith(sys.prefix + "/")
@@ -50,7 +50,7 @@ def main() -> int:
     if args.torch == "cpu" and not in_venv:
         problems.append(f"TORCH=cpu, but torch comes from {torch.__file__}")
     print(f"torch {torch.__version__} from {torch.__file__}")
-    from spyre_server.model import native_kernels
+    from spyre_server.model.cpu.kernels import library as native_kernels
 
     if native_kernels.unsupported_cpu_reason() is None:
         kernel_dir = Path(os.environ["SPYRE_SERVER_MODEL__KERNEL_DIR"])

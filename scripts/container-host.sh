@@ -12,9 +12,12 @@
 #     nothing is left on the host's network set-up and a second engine elsewhere is not disturbed;
 #   - builds the base image local/python:3.11-bookworm with debootstrap from Debian's packages
 #     (bookworm's python3 is 3.11), in place of python:3.11-slim-bookworm from Docker Hub. It
-#     trusts the host's CA bundle, also for pip (/etc/pip.conf);
-#   - serves the host's CPU torch wheel through a PEP 503 index on 127.0.0.1, for the
-#     Dockerfile's TORCH_INDEX_URL (download.pytorch.org is not reachable here);
+#     uses the host's apt sources (the mirror bookworm comes from, and bookworm's entries copied
+#     into the image, so the image build's apt-get sees what the host's sees) and trusts the
+#     host's CA bundle, also for pip (/etc/pip.conf);
+#   - serves the torch wheel the host's pip configuration finds through a PEP 503 index on
+#     127.0.0.1, for the Dockerfile's TORCH_INDEX_URL (so the build needs no torch index of its
+#     own);
 #   - builds local/spyre-like:latest, a stand-in for a Spyre runtime image: torch already installed
 #     (in a venv on PATH, with a marker file in its package folder), only `python3` (no
 #     `python`), a user with UID 1000 that exists already, and that user as the default user.
@@ -62,14 +65,67 @@ engine_up() {
     exit 1
 }
 
-apt_mirror() {
-    local mirror
-    mirror=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
-        2>/dev/null || true)
-    if [ -z "$mirror" ]; then
-        mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
-    fi
-    echo "${mirror:-http://deb.debian.org/debian}"
+host_apt() {  # $1: mirror | sources | keyrings, $2: the suite (bookworm)
+    # The host's apt sources (sources.list and sources.list.d, one-line and deb822 formats) for
+    # the suite and its -updates / -security suites. mirror: the URI the suite itself comes from;
+    # sources: those entries as one-line "deb" lines; keyrings: the Signed-By files they name.
+    python3 - "$1" "$2" <<'EOF'
+import glob
+import sys
+
+mode, suite = sys.argv[1], sys.argv[2]
+entries = []  # (options, uri, suite, components)
+for path in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list"))]:
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        continue
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if not words or words[0] != "deb":
+            continue
+        words, options = words[1:], ""
+        if words and words[0].startswith("["):
+            end = next(i for i, w in enumerate(words) if w.endswith("]"))
+            options, words = " ".join(words[: end + 1])[1:-1], words[end + 1 :]
+        if len(words) >= 2:
+            entries.append((options, words[0], words[1], " ".join(words[2:])))
+for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
+    try:
+        stanzas = open(path).read().split("\n\n")
+    except OSError:
+        continue
+    for stanza in stanzas:
+        fields, key = {}, None
+        for line in stanza.splitlines():
+            if line.startswith("#"):
+                continue
+            if line[:1] in (" ", "\t") and key:
+                fields[key] += "\n" + line.strip()
+            elif ":" in line:
+                key, value = line.split(":", 1)
+                key = key.strip().lower()
+                fields[key] = value.strip()
+        if "deb" not in fields.get("types", "").split():
+            continue
+        if fields.get("enabled", "yes").lower() == "no":
+            continue
+        signed_by = fields.get("signed-by", "")
+        options = f"signed-by={signed_by}" if signed_by.startswith("/") else ""
+        for uri in fields.get("uris", "").split():
+            for name in fields.get("suites", "").split():
+                entries.append((options, uri, name, fields.get("components", "")))
+ours = [e for e in entries if e[2] == suite or e[2].startswith(suite + "-")]
+if not any(e[2] == suite for e in ours):
+    sys.exit(f"container-host: the host's apt sources name no mirror for {suite}")
+if mode == "mirror":
+    print(next(e[1] for e in ours if e[2] == suite))
+for options, uri, name, components in ours if mode != "mirror" else []:
+    if mode == "sources":
+        print(f"deb {'[' + options + '] ' if options else ''}{uri} {name} {components}")
+    elif "signed-by=" in options:
+        print(options.split("signed-by=", 1)[1].split()[0])
+EOF
 }
 
 build_base_image() {
@@ -77,9 +133,16 @@ build_base_image() {
     log "building $base_image with debootstrap (a few minutes, once)"
     local rootfs="$state/rootfs"
     rm -rf "$rootfs"
+    local mirror sources keyring
+    mirror=$(host_apt mirror bookworm)
+    sources=$(host_apt sources bookworm)
     debootstrap --variant=minbase \
         --include=python3,python3-venv,python-is-python3,ca-certificates,passwd \
-        bookworm "$rootfs" "$(apt_mirror)" >"$state/debootstrap.log" 2>&1
+        bookworm "$rootfs" "$mirror" >"$state/debootstrap.log" 2>&1
+    echo "$sources" >"$rootfs/etc/apt/sources.list"
+    for keyring in $(host_apt keyrings bookworm | sort -u); do
+        [ -e "$rootfs$keyring" ] || install -D -m 0644 "$keyring" "$rootfs$keyring"
+    done
     cp /etc/ssl/certs/ca-certificates.crt "$rootfs/etc/ssl/certs/ca-certificates.crt"
     printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' >"$rootfs/etc/pip.conf"
     rm -rf "$rootfs/var/lib/apt/lists"/* "$rootfs/var/cache/apt"/*.bin

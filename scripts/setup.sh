@@ -18,5 +18,5 @@ python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --no-deps xgrammar==0.2.8
 # The cpu backend's native kernels (model.linear_kernel auto/native on x86-64 with AVX2): g++
 # compiles them once into ~/.cache/spyre-server/kernels (a few seconds).
-.venv/bin/python -m spyre_server.model.native_kernels
+.venv/bin/python -m spyre_server.model.cpu.kernels.library
 echo "spyre-server installed in .venv"

@@ -81,6 +81,5 @@ def spyre_like_image(docker_host: DockerHost) -> Build:
         SPYRE_LIKE_TAG,
         f"BASE_IMAGE={docker_host.spyre_like_image}",
         "TORCH=base",
-        "PIP_INDEX_URL=https://pypi.org/simple",
     )
     return build

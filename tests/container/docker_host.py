@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,6 +19,34 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST_SCRIPT = ROOT / "scripts" / "container-host.sh"
 BUILD_TIMEOUT = 1800.0
 START_TIMEOUT = 300.0
+PIP_INDEX_SETTINGS = ("index-url", "extra-index-url", "trusted-host")
+"""pip's settings that say where packages come from, passed on to image builds."""
+
+
+def host_pip_build_args() -> list[str]:
+    """This host's pip index settings as ``NAME=value`` build arguments (``PIP_INDEX_URL``, ...),
+    so that image builds use the indexes the host's pip uses: from the environment, else from
+    pip's configuration files. Indexes on the local file system are left out (a build cannot
+    read them); none at all leaves pip's default."""
+    args = []
+    for setting in PIP_INDEX_SETTINGS:
+        name = "PIP_" + setting.upper().replace("-", "_")
+        value = os.environ.get(name)
+        if value is None:
+            for key in (f"global.{setting}", f"install.{setting}"):
+                found = subprocess.run(
+                    [sys.executable, "-m", "pip", "config", "get", key],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                if found.returncode == 0 and found.stdout.strip():
+                    value = found.stdout.strip()
+        if setting != "trusted-host":
+            value = " ".join(v for v in (value or "").split() if not v.startswith("file:"))
+        if value:
+            args.append(f"{name}={value}")
+    return args
 
 
 @dataclass
@@ -109,6 +138,7 @@ class DockerHost:
     torch_index_url: str
     base_image: str
     spyre_like_image: str
+    pip_build_args: list[str] = field(default_factory=host_pip_build_args)
     containers: list[str] = field(default_factory=list)
 
     @classmethod
@@ -148,8 +178,11 @@ class DockerHost:
         self, tag: str, *build_args: str, context: Path = ROOT, check: bool = True
     ) -> tuple[Build, subprocess.CompletedProcess[str]]:
         """``docker build`` of the project's Dockerfile (host network: the torch index is on
-        127.0.0.1); ``build_args`` are ``NAME=value``."""
+        127.0.0.1); ``build_args`` are ``NAME=value``. The host's pip index settings are passed
+        on unless ``build_args`` set one of pip's own (``PIP_...``)."""
         args = ["build", "--progress", "plain", "--network", "host", "-t", tag]
+        if not any(value.startswith("PIP_") for value in build_args):
+            build_args = (*self.pip_build_args, *build_args)
         for value in build_args:
             args += ["--build-arg", value]
         result = self.docker(*args, str(context), check=False, timeout=BUILD_TIMEOUT)

@@ -1,4 +1,4 @@
-"""The Docker image, built and run for real (issue 14, and the Spyre base of issue 11).
+"""The Docker image, built and run for real, on a Debian base and on a Spyre-like base.
 
 The image is built from the project's own Dockerfile, unchanged; only the host is adapted
 (scripts/container-host.sh: a local base image, a local torch index). Containers use the host
@@ -28,7 +28,7 @@ from tests.deploy.local import free_port
 pytestmark = [pytest.mark.container, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
-STOP_TIMEOUT = 30  # the README's `docker run --stop-timeout 30` / `docker stop --time 30`
+STOP_TIMEOUT = 30  # docs/deployment.md's `docker run --stop-timeout 30` / `docker stop --time 30`
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -68,7 +68,7 @@ def test_the_build_context_is_small_and_a_code_change_rebuilds_only_the_last_lay
         if (ROOT / name).is_file():
             (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, tmp_path / name)
-    module = tmp_path / "spyre_server" / "healthcheck.py"
+    module = tmp_path / "spyre_server" / "entrypoints" / "healthcheck.py"
     module.write_text(module.read_text() + "\n# a one-line change\n")
     changed, _ = docker_host.build(
         f"{CPU_TAG}-changed",
@@ -216,8 +216,8 @@ def _long_request(base_url: str, outcome: Outcome) -> None:
 def test_docker_stop_with_requests_in_flight_ends_each_one_properly_and_exits_0(
     docker_host: DockerHost, cpu_image: Build
 ) -> None:
-    # As the README runs it: --stop-timeout 30, then a plain `docker stop`. The port is set by
-    # flag this time, which the HEALTHCHECK must find as well.
+    # As docs/deployment.md runs it: --stop-timeout 30, then a plain `docker stop`. The port is
+    # set by flag this time, which the HEALTHCHECK must find as well.
     port = free_port()
     container = docker_host.run(
         cpu_image.tag,
@@ -302,4 +302,67 @@ def test_builds_on_a_spyre_like_base_and_keeps_its_torch(
     container.wait_healthy()
     assert _complete(container).usage.completion_tokens == 8
     docker_host.docker("stop", "--time", str(STOP_TIMEOUT), container.name)
+    assert container.wait_exit() == 0
+
+
+AIU_SETUP = """\
+# A stand-in for the Spyre runtime image's setup script: records that it ran, and what the
+# entrypoint had set by then.
+echo "FLEX_COMPUTE=$FLEX_COMPUTE FLEX_DEVICE=$FLEX_DEVICE" >/tmp/ibm-aiu-setup.ran
+export IBM_AIU_SETUP_RAN=yes
+"""
+
+
+def _process_1(docker_host: DockerHost, container: Container) -> tuple[list[str], dict[str, str]]:
+    """PID 1's command line and environment, as the container's user reads them."""
+    argv = docker_host.docker("exec", container.name, "cat", "/proc/1/cmdline").stdout
+    environ = docker_host.docker("exec", container.name, "cat", "/proc/1/environ").stdout
+    variables = dict(item.split("=", 1) for item in environ.split("\0") if "=" in item)
+    return argv.split("\0"), variables
+
+
+def test_the_entrypoint_sets_up_the_card_on_the_spyre_backend_only(
+    docker_host: DockerHost, spyre_like_image: Build, tmp_path: Path
+) -> None:
+    """On an image whose /etc/profile.d/ibm-aiu-setup.sh records that it ran (as the Spyre
+    runtime image's configures the cards): the spyre backend gets the reference image's
+    environment and the sourced script, then the server is PID 1; the cpu backend neither."""
+    (tmp_path / "ibm-aiu-setup.sh").write_text(AIU_SETUP)
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {spyre_like_image.tag}\n"
+        "USER 0\n"
+        "COPY ibm-aiu-setup.sh /etc/profile.d/ibm-aiu-setup.sh\n"
+        "USER 1000:0\n"
+    )
+    tag = f"{spyre_like_image.tag}-aiu-setup"
+    docker_host.build(tag, context=tmp_path)
+    senlib = docker_host.docker(
+        "run", "--rm", "--entrypoint", "cat", tag, "/home/spyre/.senlib.json"
+    )
+    assert json.loads(senlib.stdout)["RISCV"]["DOOM"]["enable"] is False
+
+    spyre = {"SPYRE_SERVER_MODEL__BACKEND": "spyre", "SPYRE_SERVER_MODEL__COMPILE_BACKEND": "eager"}
+    container = docker_host.run(tag, port=free_port(), env=spyre | {"FLEX_DEVICE": "VF"})
+    container.wait_for_log("loading the model")
+    argv, variables = _process_1(docker_host, container)
+    # exec: PID 1 is the server (python running the spyre-server script), not the shell.
+    assert argv[1].endswith("/spyre-server") and argv[2:4] == ["serve", "--config"], argv
+    assert variables["IBM_AIU_SETUP_RAN"] == "yes"
+    assert variables["FLEX_COMPUTE"] == "SENTIENT"
+    assert variables["FLEX_DEVICE"] == "VF"  # what the container sets wins
+    assert variables["DISTRIBUTED_STRATEGY_IGNORE_MODULES"] == "WordEmbedding,Embedding"
+    ran = docker_host.docker("exec", container.name, "cat", "/tmp/ibm-aiu-setup.ran").stdout
+    assert ran.strip() == "FLEX_COMPUTE=SENTIENT FLEX_DEVICE=VF"  # set before it was sourced
+    docker_host.docker("stop", "--time", str(STOP_TIMEOUT), container.name, timeout=120)
+    assert container.wait_exit() == 0
+
+    container = docker_host.run(tag, port=free_port())  # the cpu backend, as configured
+    container.wait_for_log("loading the model")
+    argv, variables = _process_1(docker_host, container)
+    assert argv[1].endswith("/spyre-server"), argv
+    assert argv[2:] == ["serve", "--config", "/etc/spyre-server/config.yaml", ""], argv
+    assert not {"IBM_AIU_SETUP_RAN", "FLEX_COMPUTE", "FLEX_DEVICE"} & set(variables), variables
+    ls = docker_host.docker("exec", container.name, "ls", "/tmp").stdout
+    assert "ibm-aiu-setup.ran" not in ls
+    docker_host.docker("stop", "--time", str(STOP_TIMEOUT), container.name, timeout=120)
     assert container.wait_exit() == 0

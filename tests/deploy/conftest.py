@@ -28,7 +28,7 @@ def make_micro_server(deploy_micro_model: Any) -> Iterator[Callable[..., Server]
     start at 0); stopped at teardown. Torch runs on one thread meanwhile."""
     import torch
 
-    from spyre_server.serve import build_app
+    from spyre_server.entrypoints.serve import build_app
 
     servers: list[Server] = []
 

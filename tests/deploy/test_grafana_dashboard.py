@@ -38,7 +38,7 @@ def test_every_dashboard_expression_names_metrics_the_server_exposes(
         assert names, expr
         assert names <= exposed, f"{sorted(names - exposed)} in {expr}"
         used |= names
-    # what the dashboard must show (issue 14): hit rate, TTFT and ITL quantiles, KV usage,
+    # what the dashboard must show: hit rate, TTFT and ITL quantiles, KV usage,
     # running and waiting requests, prefill chunks computed vs skipped
     assert {
         "vllm:prefix_cache_hits_total",

@@ -1,4 +1,4 @@
-"""The container health check (spyre_server.healthcheck) finds where the server listens from
+"""The container health check (spyre_server.entrypoints.healthcheck) finds where the server listens from
 /proc, whatever set the port, and reports a server that answers /health as healthy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from spyre_server.healthcheck import (
+from spyre_server.entrypoints.healthcheck import (
     Address,
     decode_address,
     is_healthy,
@@ -49,9 +49,19 @@ def test_only_listening_sockets_of_the_given_inodes_count() -> None:
     [
         (["/opt/venv/bin/python", "/opt/venv/bin/spyre-server", "serve", "--port", "9"], True),
         (["spyre-server", "serve"], True),
-        (["/usr/bin/python3", "-m", "spyre_server.cli", "serve", "--config", "c.yaml"], True),
+        (
+            [
+                "/usr/bin/python3",
+                "-m",
+                "spyre_server.entrypoints.cli",
+                "serve",
+                "--config",
+                "c.yaml",
+            ],
+            True,
+        ),
         (["/opt/venv/bin/python", "/opt/venv/bin/spyre-server", "bench", "multi-turn"], False),
-        (["/opt/venv/bin/python", "-m", "spyre_server.healthcheck"], False),
+        (["/opt/venv/bin/python", "-m", "spyre_server.entrypoints.healthcheck"], False),
         (["python", "-m", "pytest", "serve"], False),
         ([""], False),
     ],

@@ -3,6 +3,7 @@ pyproject.toml and be complete, or image builds break (or silently drift)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -86,3 +87,15 @@ def test_locked_requirements_can_leave_out_what_the_base_image_has(tmp_path: Pat
     # pytest is installed here (as torch is in a Spyre base image): kept at its own version;
     # setuptools too, but it builds spyre-server: the locked one is always installed
     assert run("--skip-installed") == ["not-installed-anywhere==1.0", "setuptools==99.0"]
+
+
+def test_the_cpu_torch_check_tells_a_cuda_build_from_a_cpu_build() -> None:
+    """docker/cpu_torch.py: what stops a TORCH=cpu build that pip gave a CUDA torch."""
+    check = ROOT / "docker" / "cpu_torch.py"
+    spec = importlib.util.spec_from_file_location("cpu_torch", check)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    requires = ['nvidia-cublas-cu12==12.8.4.1; platform_system == "Linux"', "filelock", "sympy"]
+    assert module.cuda_requirements(requires) == ["nvidia-cublas-cu12"]
+    assert module.cuda_requirements(["filelock", "sympy>=1.13.3"]) == []

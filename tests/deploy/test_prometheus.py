@@ -60,7 +60,7 @@ def prometheus_of(tmp_path: Path) -> Iterator[Callable[[Server], Prometheus]]:
 
     def start(server: Server) -> Prometheus:
         config = tmp_path / "prometheus.yml"
-        # The README's scrape config, pointed at the test server.
+        # docs/deployment.md's scrape config, pointed at the test server.
         config.write_text(
             "global:\n"
             f"  scrape_interval: {SCRAPE_INTERVAL}\n"

@@ -21,7 +21,7 @@ def test_sigterm_during_model_loading_exits_0_before_serving(smollm2_path: Path)
     env = {**os.environ, "SPYRE_SERVER_MODEL__DTYPE": "float32", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "spyre_server.cli", "serve", "--host", "127.0.0.1"),
+            *(sys.executable, "-m", "spyre_server.entrypoints.cli", "serve", "--host", "127.0.0.1"),
             *("--port", str(free_port()), "--model", str(smollm2_path)),
         ],
         env=env,
