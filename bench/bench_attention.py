@@ -1,5 +1,5 @@
-"""The paged-attention kernels side by side in bfloat16 (or float32), at issue 12's shapes, in one
-run.
+"""The paged-attention kernels side by side in bfloat16 (or float32), at bench_kernels.py's
+shapes, in one run.
 
 Run: ``.venv/bin/python bench/bench_attention.py [--threads 2] [--dtype float32]
 [--no-native-avx512]`` (about a minute;
@@ -23,23 +23,18 @@ the dtype (oneDNN, on AMX where the CPU has it).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from bench_kernels import BLOCK, GROUP, HEAD_DIM, KV_HEADS, LAYERS, PREFIX_BLOCKS, seconds
 
-from spyre_server.model.native_attention import NativePagedAttention
-from spyre_server.model.native_kernels import (
+from spyre_server.model.cpu.kernels.library import (
     amx_unsupported_reason,
     avx512_bf16_unsupported_reason,
     default_kernel_dir,
     load_native_kernels,
 )
-from spyre_server.model.paged_attention import AttentionPlan, attend, plan_attention
+from spyre_server.model.cpu.ops.native_attention import NativePagedAttention
+from spyre_server.model.cpu.paged_attention import AttentionPlan, attend, plan_attention
 
 NUM_BLOCKS = 200
 
@@ -108,9 +103,8 @@ def main() -> None:
         f"limits: streaming read {read:.1f} GB/s, {args.dtype} 2048^3 matrix product "
         f"{gemm:.0f} GFLOP/s"
     )
-    lib = load_native_kernels(default_kernel_dir())
-    lib.avx512(1 if args.native_avx512 else 0)
-    print(f"native: {512 if lib.avx512_on() else 256} bits wide")
+    lib = load_native_kernels(default_kernel_dir(), avx512=args.native_avx512)
+    print(f"native: {512 if lib.avx512 else 256} bits wide")
     kernels: dict[str, NativePagedAttention | None] = {}
     for dot, unsupported in (
         ("amx", amx_unsupported_reason),

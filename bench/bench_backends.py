@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from spyre_server.config import load_config
-from spyre_server.engine_factory import build_engine
+from spyre_server.engine.factory import build_engine
+from spyre_server.entrypoints.llm import LLM
 from spyre_server.model.loading import load_model
 from spyre_server.model.store import default_cache_dir, prepare_default_model
-from spyre_server.offline import LLM
-from spyre_server.sampling import SamplingParams
+from spyre_server.sample.sampler import SamplingParams
 
 PROMPT_LEN = 512
 CHUNK = 256

@@ -1,12 +1,22 @@
-"""Engine benchmark on SmolLM2-135M-Instruct (CPU): prefill and decode speed, our runner against a
-plain fms forward, and time to first token with a cold vs a warm prefix cache.
+"""Engine benchmark (CPU): prefill and decode speed, our runner against a plain fms forward,
+time to first token with a cold vs a warm prefix cache, and the step path the server picks (a
+decoder) against fms's forward, per token.
 
-Run: ``.venv/bin/python bench/bench_engine.py`` (10-30 minutes on 2 cores).
-Options: ``--threads N`` torch threads (default 2); ``--linear-kernel native|onednn|aten``
-(default auto, as the server); ``--no-native-avx512``; ``--sections prefill,decode,ttft`` (all by
-default); ``--reps N`` timed rounds per point (median reported, after one warm-up run);
-``--bf16`` run bfloat16 too even where the CPU would emulate it; ``--profile`` add a torch profile
-of one decode step at batch 32.
+Run: ``.venv/bin/python bench/bench_engine.py`` (SmolLM2-135M-Instruct, 10-30 minutes on 2
+cores). Options: ``--threads N`` torch threads (default 2); ``--linear-kernel
+native|onednn|aten`` (default auto, as the server); ``--no-native-avx512``; ``--sections
+prefill,decode,ttft,decoder`` (the first three by default); ``--reps N`` timed rounds per point
+(median reported, after one warm-up run); ``--bf16`` run bfloat16 too even where the CPU would
+emulate it; ``--profile`` add a torch profile of one decode step at batch 32.
+
+``--model granite,llama`` runs random-weight checkpoints built at start instead of SmolLM2
+(``RANDOM_MODELS``: granite-3.x-2b's shapes and scalars, and a Llama of the same shapes), with
+``--layers N`` of their 40 layers (default 8); they are built with the conformance suite's
+builder (``tests/conformance/checkpoints.py``), so run from the repository root as
+``.venv/bin/python -m bench.bench_engine``. The decoder-against-fms comparison on both, in
+float32 and bfloat16, with a summary table of the ratios at the end::
+
+    .venv/bin/python -m bench.bench_engine --model granite,llama --sections decoder
 
 On a machine shared with other busy processes, torch's thread pool degrades badly: compare with
 ``--threads 1`` before trusting a 2-thread number.
@@ -22,12 +32,12 @@ import argparse
 import os
 import random
 import statistics
-import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from typing import Any
 
 import torch
 
@@ -39,11 +49,10 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from spyre_server.model.cpu_backend import CpuModelRunner, StepDecoder
-from spyre_server.model.cpu_model import cpu_attention_kernel, cpu_decoder, cpu_inference_copy
-from spyre_server.model.loading import cpu_flags, load_model
-from spyre_server.model.paged_attention import PagedAttentionKernel
-from spyre_server.model.runner import kv_cache_shape
+from spyre_server.config import Config, load_config
+from spyre_server.engine.factory import build_runner, scheduler_config
+from spyre_server.model.cpu.runner import CpuModelRunner
+from spyre_server.model.loading import LoadedModel, cpu_flags, load_model
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
 BS = 64
@@ -59,6 +68,42 @@ TTFT_CHUNK = 256
 PLAIN_RATIO_TARGET = 1.15
 WARM_RATIO_TARGET = 1.25
 FAST_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+STEP_PROMPT_LEN = 512
+STEP_CHUNK = 256
+STEP_BATCHES = (1, 8)
+STEP_DECODE_STEPS = 4
+
+GRANITE_2B_SHAPES: dict[str, Any] = {
+    "vocab_size": 49155,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+}
+"""granite-3.x-2b-instruct's sizes (head_dim 64), tied embeddings, plain RoPE."""
+RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (transformers class, model_type, config fields)
+    "granite": (
+        "GraniteForCausalLM",
+        "granite",
+        GRANITE_2B_SHAPES
+        | {
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.015625,
+            "logits_scaling": 8.0,
+        },
+    ),
+    "llama": ("LlamaForCausalLM", "llama", GRANITE_2B_SHAPES),
+}
+"""The random-weight models ``--model`` builds: granite-3.x-2b's shapes and scalars, and a Llama of
+the same shapes (the scalars are Granite's only ops a Llama lacks)."""
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -81,41 +126,62 @@ def sampled(step: ScheduledStep, logits: torch.Tensor | None) -> ModelRunnerOutp
     return ModelRunnerOutput({e.request_id: t for e, t in zip(step.entries, ids, strict=True)})
 
 
+@dataclass(frozen=True)
+class StepRow:
+    """One point of the ``decoder`` section: a step kind's time per token on the decoder and on
+    fms's forward (medians over the rounds), and the median of the rounds' fms/decoder ratios."""
+
+    model: str
+    dtype: str
+    decoder: str
+    step: str
+    decoder_ms: float
+    fms_ms: float
+    ratio: float
+
+
 class Bench:
+    """The server's runner for the configuration ``overrides`` give (``build_runner``: the same
+    model copy, kernels and decoder), with a fresh scheduler per measurement."""
+
     def __init__(
-        self,
-        model: torch.nn.Module,
-        dtype: torch.dtype,
-        vocab: int,
-        attention: PagedAttentionKernel | None = None,
-        decoder: StepDecoder | None = None,
+        self, overrides: dict[str, Any], loaded: LoadedModel, *, fms_forward: bool, model: str
     ) -> None:
-        self.model = model
-        self.dtype = dtype
-        self.vocab = vocab
-        self.num_blocks = 160
-        self.runner = CpuModelRunner(
-            model,
-            num_blocks=self.num_blocks,
-            block_size=BS,
-            dtype=dtype,
-            attention=attention,
-            decoder=decoder,
+        self.overrides = {"cache.num_blocks": 160, "model.max_model_len": 4096, **overrides}
+        self.dtype = loaded.dtype
+        self.vocab = loaded.vocab_size
+        self.model_name = model
+        runner = build_runner(self._config(), loaded, self.scheduler_config(256))
+        assert isinstance(runner, CpuModelRunner)
+        self.decoder = runner.decoder
+        """The step path the server picks (None: fms's forward)."""
+        if fms_forward:
+            runner.decoder = None  # fms's forward runs the steps
+        self.runner = runner
+        self.model = runner.model
+        self.step_rows: list[StepRow] = []
+
+    def _config(self, **overrides: Any) -> Config:
+        return load_config(environ={}, overrides={**self.overrides, **overrides})
+
+    def scheduler_config(
+        self, chunk_size: int, *, caching: bool = True, max_num_seqs: int = 8
+    ) -> SchedulerConfig:
+        config = self._config(
+            **{
+                "scheduler.chunk_size": chunk_size,
+                "scheduler.max_num_seqs": max_num_seqs,
+                "cache.enable_prefix_caching": caching,
+            }
         )
+        assert config.cache.num_blocks is not None
+        return scheduler_config(config, config.cache.num_blocks, CpuModelRunner.prefill_compute)
 
     def scheduler(
         self, chunk_size: int, *, caching: bool = True, max_num_seqs: int = 8
     ) -> Scheduler:
-        return Scheduler(
-            SchedulerConfig(
-                chunk_size=chunk_size,
-                num_blocks=self.num_blocks,
-                max_model_len=4096,
-                max_num_seqs=max_num_seqs,
-                enable_prefix_caching=caching,
-            ),
-            hash_seed=0,
-        )
+        config = self.scheduler_config(chunk_size, caching=caching, max_num_seqs=max_num_seqs)
+        return Scheduler(config, hash_seed=0)
 
     def time_to_first_token(
         self, sched: Scheduler, request_id: str, prompt: Sequence[int]
@@ -269,7 +335,88 @@ def bench_ttft(bench: Bench, reps: int, label: str) -> Results:
     ]
 
 
-SECTIONS = {"prefill": bench_prefill, "decode": bench_decode, "ttft": bench_ttft}
+def bench_decoder(bench: Bench, reps: int, label: str) -> Results:
+    """Per token: a prefill of one STEP_PROMPT_LEN-token prompt in STEP_CHUNK-token chunks (no
+    cache hit), and decode steps at each of STEP_BATCHES, on the decoder the server picks and on
+    fms's forward over the same model copy and kernels, in rounds that time both back to back."""
+    decoder = bench.decoder
+    name = type(decoder).__name__
+    print(
+        f"\n== {label}: {name} against fms's forward, per token: a {STEP_PROMPT_LEN}-token "
+        f"prefill in chunks of {STEP_CHUNK}, decode steps at batch "
+        f"{', '.join(map(str, STEP_BATCHES))} =="
+    )
+    if decoder is None:
+        print("no decoder covers this model (the log says why): nothing to compare")
+        return []
+    prompt = tokens(STEP_PROMPT_LEN, seed=3, vocab=bench.vocab)
+
+    def measure(step_path: Any) -> dict[str, float]:
+        bench.runner.decoder = step_path
+        times = {"prefill chunk": bench.prefill(STEP_CHUNK, prompt) / len(prompt)}
+        for batch in STEP_BATCHES:
+            steps = bench.decode_step_times(batch, STEP_DECODE_STEPS)
+            times[f"decode step, batch {batch}"] = statistics.median(steps) / batch
+        return times
+
+    before = bench.runner.decoder  # None with --fms-forward
+    try:
+        measure(decoder), measure(None)  # warm-up
+        rounds = [(measure(decoder), measure(None)) for _ in range(reps)]
+    finally:
+        bench.runner.decoder = before
+    widths = (24, 16, 16, 10)
+    print(row("step", f"{name} (ms/tok)", "fms (ms/tok)", "fms / dec", widths=widths))
+    for step in rounds[0][0]:
+        ours = statistics.median(r[0][step] for r in rounds) * 1e3
+        theirs = statistics.median(r[1][step] for r in rounds) * 1e3
+        ratio = statistics.median(r[1][step] / r[0][step] for r in rounds)
+        print(row(step, f"{ours:.3f}", f"{theirs:.3f}", f"{ratio:.2f}x", widths=widths))
+        bench.step_rows.append(StepRow(bench.model_name, label, name, step, ours, theirs, ratio))
+    return []
+
+
+SECTIONS = {
+    "prefill": bench_prefill,
+    "decode": bench_decode,
+    "ttft": bench_ttft,
+    "decoder": bench_decoder,
+}
+DEFAULT_SECTIONS = ("prefill", "decode", "ttft")
+
+
+def random_checkpoint(name: str, layers: int, directory: Path) -> Path:
+    """``RANDOM_MODELS[name]`` with ``layers`` layers, random weights, saved into
+    ``directory`` with the default model's tokenizer (the conformance suite's builder)."""
+    try:
+        from tests.conformance.checkpoints import Architecture, build_checkpoint
+    except ModuleNotFoundError as exc:
+        raise SystemExit(
+            f"--model {name} builds its checkpoint with tests/conformance/checkpoints.py ({exc}): "
+            "run from the repository root as .venv/bin/python -m bench.bench_engine"
+        ) from exc
+
+    architecture, model_type, fields = RANDOM_MODELS[name]
+    spec = Architecture(
+        name,
+        architecture,
+        model_type,
+        fields | {"num_hidden_layers": layers},
+        embedding_std=0.002 if "embedding_multiplier" in fields else 0.02,
+    )
+    return build_checkpoint(spec, directory / name, prepare_default_model(default_cache_dir()))
+
+
+def print_step_summary(rows: list[StepRow]) -> None:
+    """The ``decoder`` section's points as one markdown table."""
+    print("\n== the decoders against fms's forward, ms per token (markdown) ==")
+    print("| model | dtype | step path | step | decoder | fms forward | fms / decoder |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.model} | {r.dtype} | {r.decoder} | {r.step} | {r.decoder_ms:.3f} | "
+            f"{r.fms_ms:.3f} | {r.ratio:.2f}x |"
+        )
 
 
 def profile_decode(bench: Bench, batch: int) -> None:
@@ -299,15 +446,30 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, default=THREADS, help="torch threads (default 2)")
     parser.add_argument(
-        "--sections", default=",".join(SECTIONS), help="comma-separated: prefill,decode,ttft"
+        "--sections",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated, of {','.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})",
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="comma-separated: smollm2 (the default model) and/or the random-weight models "
+        f"built at start ({', '.join(RANDOM_MODELS)}: granite-3.x-2b's shapes; run as "
+        "python -m bench.bench_engine from the repository root)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="layers of the random-weight models (the real model has 40; default 8)",
     )
     parser.add_argument(
         "--linear-kernel",
         choices=("auto", "native", "onednn", "aten"),
         default="auto",
-        help="model.linear_kernel: auto (the server's default), our own float32 kernel, "
-        "oneDNN-packed weights or F.linear; the runner always gets the server's model copy "
-        "(cpu_model.py)",
+        help="model.linear_kernel: auto (the server's default), our own float32 and bfloat16 "
+        "kernels, oneDNN-packed weights or F.linear; the runner always gets the server's model copy "
+        "(model/cpu/prepare.py)",
     )
     parser.add_argument(
         "--no-native-avx512",
@@ -333,9 +495,11 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    path = prepare_default_model(default_cache_dir())
+    models = args.model.split(",")
+    for name in models:
+        if name != "smollm2" and name not in RANDOM_MODELS:
+            parser.error(f"--model {name}: not smollm2 or one of {', '.join(RANDOM_MODELS)}")
     flags = cpu_flags()
-    print(f"SmolLM2-135M-Instruct from {path}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, reps {args.reps} "
         f"(median), linear kernel {args.linear_kernel}, attention kernel {args.attention_kernel}"
@@ -362,29 +526,40 @@ def main() -> None:
     if args.attention_kernel in ("amx", "avx512_bf16"):
         print(f"float32 skipped: attention kernel {args.attention_kernel} computes bfloat16 only")
         dtypes = [(dtype, label) for dtype, label in dtypes if dtype == torch.bfloat16]
-    for dtype, label in dtypes:
-        loaded = load_model(path, dtype)
-        model = cpu_inference_copy(
-            loaded.model,
-            linear_kernel=args.linear_kernel,
-            dtype=dtype,
-            native_avx512=args.native_avx512,
-        )
-        attention = cpu_attention_kernel(
-            args.attention_kernel,
-            dtype=dtype,
-            head_dim=kv_cache_shape(model).head_dim,
-            native_avx512=args.native_avx512,
-        )
-        decoder = None if args.fms_forward else cpu_decoder(model, attention)
-        bench = Bench(model, dtype, loaded.vocab_size, attention, decoder)
-        for section in args.sections.split(","):
-            results += SECTIONS[section](bench, args.reps, label)
-        if args.profile:
-            profile_decode(bench, 32)
-        del bench, loaded, model
+    step_rows: list[StepRow] = []
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as scratch:
+        for name in models:
+            if name == "smollm2":
+                path = prepare_default_model(default_cache_dir())
+                print(f"\n##### SmolLM2-135M-Instruct from {path}")
+                model_label = "SmolLM2-135M"
+            else:
+                started = time.perf_counter()
+                path = random_checkpoint(name, args.layers, Path(scratch))
+                model_label = f"{name} (granite-3.x-2b shapes, {args.layers} of 40 layers)"
+                print(
+                    f"\n##### {model_label}: random weights, built in "
+                    f"{time.perf_counter() - started:.0f} s"
+                )
+            for dtype, label in dtypes:
+                loaded = load_model(path, dtype)
+                kernels = {
+                    "model.linear_kernel": args.linear_kernel,
+                    "model.attention_kernel": args.attention_kernel,
+                    "model.native_avx512": args.native_avx512,
+                }
+                bench = Bench(kernels, loaded, fms_forward=args.fms_forward, model=model_label)
+                for section in args.sections.split(","):
+                    results += SECTIONS[section](bench, args.reps, label)
+                if args.profile:
+                    profile_decode(bench, 32)
+                step_rows += bench.step_rows
+                del bench, loaded
 
-    print("\n== targets ==")
+    if step_rows:
+        print_step_summary(step_rows)
+    if results:
+        print("\n== targets ==")
     for text, ok in results:
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
 

@@ -14,10 +14,12 @@ read) and GFLOP/s, next to the limits measured here first:
   else AVX2). A 2048^3 matrix product's rate is printed beside it; it is the limit instead only
   where no compiler is found (said in the output).
 
-The two workloads of issue 12: a decode step of 8 rows over a 1,536-token shared prefix (+ 2
+The two workloads: a decode step of 8 rows over a 1,536-token shared prefix (+ 2
 own blocks each), and a warm prefill of 64 new tokens over the same prefix. Then all of a step's
 projections under each linear kernel (native, onednn; on AVX512F CPUs also native with its
-512-bit prefill path off, "avx2") at 1, 8, 64 and 256 rows, with the ratios.
+512-bit prefill path off, "avx2") at 1, 8, 64 and 256 rows, with the ratios; and the same in
+bfloat16 (native on AVX512-BF16 where the CPU has it, native on AVX2, onednn where it computes
+bfloat16 here).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spyre_server.model import paged_attention
-from spyre_server.model.native_attention import NativePagedAttention
-from spyre_server.model.native_kernels import default_kernel_dir, load_native_kernels
-from spyre_server.model.native_linear import NativeLinear
-from spyre_server.model.paged_attention import paged_attention_kwargs, plan_attention
+from spyre_server.model.cpu import paged_attention
+from spyre_server.model.cpu.kernels.library import default_kernel_dir, load_native_kernels
+from spyre_server.model.cpu.ops.native_attention import NativePagedAttention
+from spyre_server.model.cpu.ops.native_linear import NativeBf16Linear, NativeLinear
+from spyre_server.model.cpu.paged_attention import paged_attention_kwargs, plan_attention
 
 LAYERS = 30
 HIDDEN, MLP, VOCAB = 576, 1536, 49152
@@ -109,19 +111,39 @@ def onednn_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor
     return lambda x: _linear(x, packed, None, "none", [], "")
 
 
-def native_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def native_linear(
+    weight: torch.Tensor, *, avx512: bool = True
+) -> Callable[[torch.Tensor], torch.Tensor]:
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     layer.weight.data = weight
-    return NativeLinear(layer, load_native_kernels(default_kernel_dir()))
+    return NativeLinear(layer, load_native_kernels(default_kernel_dir(), avx512=avx512))
+
+
+def native_avx2_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``native_linear`` with its 512-bit path off (``model.native_avx512: false``)."""
+    return native_linear(weight, avx512=False)
 
 
 LINEAR_KERNELS: dict[str, LinearFactory] = {"native": native_linear, "onednn": onednn_linear}
 
 
-def linears(rows: int, factory: LinearFactory) -> list[Kernel]:
-    """The projections at ``rows`` rows, packed and run by ``factory``'s kernel."""
+def native_bf16_linear(
+    weight: torch.Tensor, *, avx512: bool = True
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
+    layer.weight.data = weight
+    return NativeBf16Linear(layer, load_native_kernels(default_kernel_dir(), avx512=avx512))
+
+
+def linears(rows: int, factory: LinearFactory, dtype: torch.dtype = torch.float32) -> list[Kernel]:
+    """The projections at ``rows`` rows in ``dtype``, packed and run by ``factory``'s kernel."""
     out = []
-    x_hidden, x_mlp = torch.randn(rows, HIDDEN), torch.randn(rows, MLP)
+    size = dtype.itemsize
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape).to(dtype)
+
+    x_hidden, x_mlp = randn(rows, HIDDEN), randn(rows, MLP)
     shapes = [
         ("qkv", 3 * 320, HIDDEN, x_hidden),  # 576 + 2 * 192 outputs
         ("o", HIDDEN, HIDDEN, x_hidden),
@@ -129,23 +151,23 @@ def linears(rows: int, factory: LinearFactory) -> list[Kernel]:
         ("down", HIDDEN, MLP, x_mlp),
     ]
     for name, n, k, x in shapes:
-        layers = [factory(torch.randn(n, k)) for _ in range(LAYERS)]
+        layers = [factory(randn(n, k)) for _ in range(LAYERS)]
         t = seconds(lambda x=x, layers=layers: [layer(x) for layer in layers]) / LAYERS
-        out.append((name, t, n * k * 4, 2 * rows * n * k, LAYERS))
-    head = factory(torch.randn(VOCAB, HIDDEN))
+        out.append((name, t, n * k * size, 2 * rows * n * k, LAYERS))
+    head = factory(randn(VOCAB, HIDDEN))
     head_rows = rows if rows <= DECODE_ROWS else 1  # prefill: the last position only
-    x = torch.randn(head_rows, HIDDEN)
+    x = randn(head_rows, HIDDEN)
     t = seconds(lambda: head(x))
-    out.append(("LM head", t, VOCAB * HIDDEN * 4, 2 * head_rows * VOCAB * HIDDEN, 1))
+    out.append(("LM head", t, VOCAB * HIDDEN * size, 2 * head_rows * VOCAB * HIDDEN, 1))
     return out
 
 
 def compare_linear_kernels(rows_list: tuple[int, ...]) -> None:
     """All of a step's projections under each kernel, in one run: ms per step and the ratio."""
     print("\n== the projections of a step (30 layers + LM head) per linear kernel, ms/step ==")
-    lib = load_native_kernels(default_kernel_dir())
     names = list(LINEAR_KERNELS)
-    avx512 = lib.avx512(1) == 1  # native's 512-bit path from 5 rows (AVX512F CPUs)
+    # native's 512-bit path from 5 rows (AVX512F CPUs)
+    avx512 = load_native_kernels(default_kernel_dir()).avx512
     if avx512:
         names.append("avx2")  # native with that path off
     print(f"{'rows':>5} " + " ".join(f"{n:>8}" for n in names) + "   native/onednn native/avx2")
@@ -155,14 +177,39 @@ def compare_linear_kernels(rows_list: tuple[int, ...]) -> None:
             for n, f in LINEAR_KERNELS.items()
         }
         if avx512:
-            lib.avx512(0)
-            per_kernel["avx2"] = sum(c * t for _, t, _, _, c in linears(rows, native_linear))
-            lib.avx512(1)
+            per_kernel["avx2"] = sum(c * t for _, t, _, _, c in linears(rows, native_avx2_linear))
         cells = " ".join(f"{per_kernel[n] * 1e3:8.1f}" for n in names)
         ratio = f"{per_kernel['native'] / per_kernel['avx2']:.2f}x" if avx512 else ""
         print(
             f"{rows:5d} {cells}   {per_kernel['native'] / per_kernel['onednn']:13.2f}x {ratio:>11}"
         )
+
+
+def compare_bf16_linear_kernels(rows_list: tuple[int, ...]) -> None:
+    """The same in bfloat16: native (AVX512-BF16 where the CPU has it), native on AVX2, onednn
+    (where it computes bfloat16 here)."""
+    print("\n== the same in bfloat16, ms/step ==")
+    lib = load_native_kernels(default_kernel_dir())
+    kernels: dict[str, LinearFactory] = {}
+    if lib.linear_bf16_dot:
+        kernels["native"] = native_bf16_linear
+    kernels["avx2"] = lambda weight: native_bf16_linear(weight, avx512=False)
+    try:
+        onednn_linear(torch.randn(8, 8).bfloat16())(torch.randn(1, 8).bfloat16())
+        kernels["onednn"] = onednn_linear
+    except RuntimeError:
+        print("(onednn cannot compute bfloat16 here)")
+    names = list(kernels)
+    print(f"{'rows':>5} " + " ".join(f"{n:>8}" for n in names) + "   ratios to the first")
+    for rows in rows_list:
+        per_kernel = {
+            n: sum(c * t for _, t, _, _, c in linears(rows, f, torch.bfloat16))
+            for n, f in kernels.items()
+        }
+        cells = " ".join(f"{per_kernel[n] * 1e3:8.1f}" for n in names)
+        first = per_kernel[names[0]]
+        ratios = " ".join(f"{n}/{names[0]} {per_kernel[n] / first:.2f}x" for n in names[1:])
+        print(f"{rows:5d} {cells}   {ratios}")
 
 
 def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -268,7 +315,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
     read, gemm = limits()
-    width512 = load_native_kernels(default_kernel_dir()).avx512_on() == 1
+    width512 = load_native_kernels(default_kernel_dir()).avx512
     peak = fma_peak(args.threads, width512)
     if peak is None:
         print("no C++ compiler for fma_peak.cpp: the arithmetic limit below is the GEMM's rate")
@@ -298,6 +345,7 @@ def main() -> None:
                 others=attention(rows, keys, values, other),
             )
         compare_linear_kernels((1, 8, 64, 256))
+        compare_bf16_linear_kernels((1, 8, 64, 256))
     print("\nF.linear (MKL) for comparison, 8 rows, gate+up over 30 layers:")
     weights = [torch.randn(2 * MLP, HIDDEN) for _ in range(LAYERS)]
     x = torch.randn(DECODE_ROWS, HIDDEN)

@@ -20,9 +20,6 @@ import time
 import timeit
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler import (
     DecodeBatch,

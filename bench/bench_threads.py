@@ -1,4 +1,4 @@
-"""What the OpenMP thread policy costs a torch op on this box (issue 12, hypothesis 1).
+"""What the OpenMP thread policy costs a torch op on this box.
 
 Each setting runs in its own process, because libgomp reads ``OMP_WAIT_POLICY`` and
 ``GOMP_SPINCOUNT`` once, when torch loads it. For each setting it times ``F.linear`` at the

@@ -24,23 +24,19 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from scheduler import PrefillChunk
 from spyre_server.config import load_config
-from spyre_server.engine import LLMEngine
-from spyre_server.engine_factory import build_engine
+from spyre_server.engine.core import LLMEngine
+from spyre_server.engine.factory import build_engine
+from spyre_server.entrypoints.serve import load
 from spyre_server.model.loading import compute_threads
-from spyre_server.sampling_params import SamplingParams
-from spyre_server.serve import load
+from spyre_server.sample.params import SamplingParams
 
 PREFIX_TOKENS, OWN_TOKENS, OUTPUT_TOKENS, BURST = 1536, 64, 16, 8
 

@@ -1,7 +1,7 @@
 """Cross-tenant time to first token: with ``server.isolate_cache_per_api_key`` one tenant's cached
 prefix gives another tenant no speed-up (so TTFT cannot leak whether someone else sent a prompt).
 
-Starts the server in-process (``spyre_server.serve.build_app`` on SmolLM2-135M-Instruct, uvicorn on
+Starts the server in-process (``spyre_server.entrypoints.serve.build_app`` on SmolLM2-135M-Instruct, uvicorn on
 127.0.0.1) with two API keys and per-key cache isolation, then, for each repetition, on a fresh
 1024-token prompt (token ids, so the length is exact):
 
@@ -30,14 +30,10 @@ import json
 import random
 import socket
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
@@ -70,8 +66,8 @@ def start_server(args: argparse.Namespace) -> tuple[Any, threading.Thread, str, 
     import uvicorn
 
     from spyre_server.config import load_config
+    from spyre_server.entrypoints.serve import build_app, load
     from spyre_server.model.store import default_cache_dir, prepare_default_model
-    from spyre_server.serve import build_app, load
 
     model = prepare_default_model(default_cache_dir())
     config = load_config(

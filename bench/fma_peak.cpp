@@ -1,7 +1,7 @@
 // This machine's float32 arithmetic peak: N threads (argv[1], default 2), each with 12
 // independent chains of FMAs (enough to cover the FMA latency on both pipes), no memory traffic.
 // Built with -DWIDTH512 (and -mavx512f) the chains are 512 bits wide, else 256 (AVX2). The
-// number the kernels' GFLOP/s in bench_kernels.py and RESULTS.md are compared against;
+// number the kernels' GFLOP/s in bench_kernels.py (and in docs/notes/) are compared against;
 // bench_kernels.py builds and runs it itself.
 //   g++ -O2 -mavx2 -mfma -fopenmp bench/fma_peak.cpp -o /tmp/fma_peak && /tmp/fma_peak 2
 //   g++ -O2 -mavx512f -fopenmp -DWIDTH512 bench/fma_peak.cpp -o /tmp/fma_peak512 && /tmp/fma_peak512 2

@@ -1,4 +1,4 @@
-"""Where a loaded server's decode step goes: model forward vs everything else (issue 6, target 4).
+"""Where a loaded server's decode step goes: model forward vs everything else.
 
 Starts the real server (``build_app`` + uvicorn on loopback) on SmolLM2-135M-Instruct, sends
 ``--batch`` concurrent streaming completions over HTTP (``ignore_eos``, so every request decodes
@@ -21,14 +21,10 @@ import asyncio
 import json
 import socket
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 import uvicorn
@@ -36,7 +32,7 @@ import uvicorn
 import spyre_server.model.runner as model_runner
 from scheduler import DecodeBatch
 from spyre_server.config import load_config
-from spyre_server.serve import build_app, load
+from spyre_server.entrypoints.serve import build_app, load
 
 TARGET_OUTSIDE_SHARE = 0.10
 
@@ -203,7 +199,7 @@ def main() -> None:
     app = build_app(config, loaded)
     prompt_ids = prompts(loaded.tokenizer, args.batch, args.prompt_len)
     server, port, thread = start_server(app)
-    engine = app.state.server.engine.engine
+    engine = app.state.server.engine.core
     runs = [
         ("greedy", {"temperature": 0}, not args.no_profile),
         ("top-p 0.9, temperature 0.8", {"temperature": 0.8, "top_p": 0.9, "seed": 1}, False),

@@ -26,8 +26,6 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 
 from spyre_server.benchmark.client import fetch_model_ids

@@ -28,13 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shared_prefix
 
@@ -47,7 +43,7 @@ BURST = 8
 BURST_OUTPUT_LEN = 16
 COLUMNS = ("cold_ttft_s", "warm_ttft_s", "burst_cold_s", "burst_cached_s")
 HEADERS = ("cold TTFT", "warm TTFT", "burst of 8, cold", "burst of 8, cached")
-# Issue 12's targets: which peer each column is held against, and issue 6's absolute limits.
+# The targets: which peer each column is held against, and the absolute limits.
 TARGET_PEER = {
     "cold_ttft_s": "llama",
     "warm_ttft_s": "llama",

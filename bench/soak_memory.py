@@ -6,8 +6,8 @@ soak test) ``--runs`` times, and prints the server's resident memory (VmRSS, and
 from /proc/<pid>/status) before the first run and after each run has drained, with each run's
 summary line.
 
-Run: ``.venv/bin/python bench/soak_memory.py`` (about 10 minutes on 2 shared cores with the
-defaults). Options: ``--num-requests`` (300), ``--concurrency`` (32), ``--seed``, ``--runs`` (2),
+Run from the repository root (it imports ``tests.soak.load``):
+``.venv/bin/python -m bench.soak_memory`` (about 10 minutes on 2 shared cores with the defaults). Options: ``--num-requests`` (300), ``--concurrency`` (32), ``--seed``, ``--runs`` (2),
 ``--threads`` (1), ``--num-blocks`` (256 KV blocks, block 0 included; ``0``: the configured
 ``cache.kv_cache_memory``), ``--verify`` (after each run, send every completed request alone
 and compare texts: slower, and those requests then count in the next memory figure).
@@ -27,8 +27,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 

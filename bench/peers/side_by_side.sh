@@ -35,7 +35,7 @@ start() {  # name -> starts the server in the background, sets PID and URL
         "$REPO/.venv/bin/spyre-server" serve --port 8025 --dtype float32 >"$OUT/spyre-avx2.log" 2>&1 & ;;
     before|before-f32) [ "$1" = before ] && URL=http://127.0.0.1:8022 || URL=http://127.0.0.1:8024
       (cd /tmp && PYTHONPATH=${BEFORE_DIR:?set BEFORE_DIR to a spyre-server checkout} \
-        exec "$PY" -c 'from spyre_server.cli import run; run()' serve --port "${URL##*:}" \
+        exec "$PY" -c 'from spyre_server.entrypoints.cli import run; run()' serve --port "${URL##*:}" \
         $([ "$1" = before-f32 ] && echo --dtype float32)) >"$OUT/$1.log" 2>&1 & ;;
     llama) URL=http://127.0.0.1:8103
       PORT=8103 "$HERE/start_llama_server.sh" >"$OUT/llama.log" 2>&1 & ;;

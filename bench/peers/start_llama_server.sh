@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp's llama-server on SmolLM2 F16 (made by install.sh), the settings of issue 12's table:
+# llama.cpp's llama-server on SmolLM2 F16 (made by install.sh), the settings of bench/README.md's comparison:
 # 8 slots of 4,096 tokens (-c is shared by the slots), batch 256, 2 threads, prompt cache on.
 # Foreground; stop it with SIGTERM or Ctrl-C. Extra arguments go to the server.
 set -euo pipefail
