@@ -4,6 +4,11 @@ Block 0 is reserved (padding / write sink): never allocated, never cached. Every
 either free (ref count 0, in the free queue, possibly still cached) or in use (ref count > 0, not
 queued). A cached block keeps its hash while free and loses it only when an allocation takes it
 (lazy eviction) or on ``reset()``. Every operation is O(1) per block touched.
+
+Subscribers hear ``BlockStored`` when a block is registered, or earlier, when the scheduler
+``announce``s the blocks a scheduled prefill will write (then registering publishes nothing
+more, and ``withdraw`` publishes ``BlockRemoved`` for what is abandoned); ``BlockRemoved`` on
+eviction; ``AllBlocksCleared`` on ``reset()``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class BlockPool:
         self._blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free = FreeBlockQueue(self._blocks[1:])
         self._cached: dict[BlockHash, KVBlock] = {}
+        self._announced: Counter[BlockHash] = Counter()
         self._subscribers: list[EventSubscriber] = []
         self.stats = PrefixCacheStats()
 
@@ -166,6 +172,7 @@ class BlockPool:
         existing = self._cached.get(block_hash)
         if existing is not None:
             if self._holds(existing, chain, index, parent):
+                self._take_announcement(block_hash)
                 return existing.block_id
             if existing.ref_count > 0:
                 return None
@@ -176,17 +183,64 @@ class BlockPool:
         block.parent = parent
         block.parent_hash = parent_hash
         self._cached[block_hash] = block
-        if self._subscribers:
-            self._emit(
-                BlockStored(
-                    block_hash=block_hash,
-                    parent_block_hash=parent_hash,
-                    token_ids=decode_token_ids(block.token_bytes),
-                    block_size=self.block_size,
-                    extra_keys=chain.extra,
-                )
-            )
+        if not self._take_announcement(block_hash) and self._subscribers:
+            self._emit(self._stored_event(chain, index))
         return block_id
+
+    def announce(self, chain: BlockHashChain, indices: range) -> None:
+        """Publish ``BlockStored`` now for the full blocks ``indices`` of ``chain`` that a
+        scheduled step commits to computing (as vLLM publishes at schedule time), so a router
+        can send their prefix here while the KV is still being written. Lookups do not see
+        them before ``register``: hits stay exact. Each announced index must later be
+        registered (which then publishes nothing more) or withdrawn. No-op with caching off."""
+        if not self.enable_caching:
+            return
+        for index in indices:
+            self._announced[chain.hashes[index]] += 1
+            if self._subscribers:
+                self._emit(self._stored_event(chain, index))
+
+    def withdraw(self, chain: BlockHashChain, indices: range) -> None:
+        """Blocks ``indices`` of ``chain``, announced, will not be registered (an abort, a
+        preemption, a broken chain): publish ``BlockRemoved`` for each whose content no other
+        announcement or cached block holds. Indices not announced (any more) are ignored."""
+        for index in indices:
+            block_hash = chain.hashes[index]
+            if not self._take_announcement(block_hash):
+                continue
+            held = block_hash in self._announced or block_hash in self._cached
+            if not held and self._subscribers:
+                self._emit(BlockRemoved(block_hash))
+
+    @property
+    def num_announced_blocks(self) -> int:
+        """Announced blocks neither registered nor withdrawn yet."""
+        return self._announced.total()
+
+    def announced_hashes(self) -> Counter[BlockHash]:
+        """The announced block hashes (with multiplicity) neither registered nor withdrawn yet:
+        a registration of equal content by anyone takes one. For integrity checks."""
+        return Counter(self._announced)
+
+    def _take_announcement(self, block_hash: BlockHash) -> bool:
+        """Consume one announcement of ``block_hash``; False if there was none."""
+        count = self._announced.get(block_hash, 0)
+        if count == 0:
+            return False
+        if count == 1:
+            del self._announced[block_hash]
+        else:
+            self._announced[block_hash] = count - 1
+        return True
+
+    def _stored_event(self, chain: BlockHashChain, index: int) -> BlockStored:
+        return BlockStored(
+            block_hash=chain.hashes[index],
+            parent_block_hash=chain.parent_of(index),
+            token_ids=decode_token_ids(chain.token_bytes[index]),
+            block_size=self.block_size,
+            extra_keys=chain.extra,
+        )
 
     def lookup(self, chain: BlockHashChain, max_blocks: int | None = None) -> list[int]:
         """Longest cached prefix of ``chain``: the block ids of its leading full blocks that hit.
@@ -240,6 +294,7 @@ class BlockPool:
         for block in self._cached.values():
             block.drop_hash()
         self._cached.clear()
+        self._announced.clear()  # routers forget them too: a later register publishes again
         if self._subscribers:
             self._emit(AllBlocksCleared())
         return dropped

@@ -69,6 +69,10 @@ class Request:
     """Tokens the current prefill covers: the prompt, plus earlier outputs after a preemption."""
     num_registered_blocks: int = 0
     """Leading blocks already offered to the cache (registered, or found to be duplicates)."""
+    announced_blocks: range = range(0)
+    """Blocks of the chain announced to the pool's subscribers (the request's prefill will
+    compute them); those from ``num_registered_blocks`` on are neither registered nor withdrawn
+    yet (``pending_announced_blocks``)."""
     cached_tail_block_id: int | None = None
     """The cached block holding block ``num_registered_blocks - 1`` (in the request's table); the
     next registration chains onto it. ``None``: not cached (or none yet)."""
@@ -82,6 +86,12 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.chain.update(self.all_token_ids)
+
+    @property
+    def pending_announced_blocks(self) -> range:
+        """Announced blocks still to be registered or withdrawn."""
+        announced = self.announced_blocks
+        return range(max(announced.start, self.num_registered_blocks), announced.stop)
 
     @property
     def num_blocks_needed(self) -> int:

@@ -9,10 +9,10 @@ out. Preemption by recompute is the last resort when an allocation fails anyway.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
-from kvcache import BlockHash, BlockHashChain, BlockPool, ExtraKeys, root_hash
+from kvcache import BlockHash, BlockHashChain, BlockPool, ExtraKeys, IntegrityError, root_hash
 from scheduler.config import PrefillCompute, SchedulerConfig
 from scheduler.grid import cdiv
 from scheduler.outputs import (
@@ -106,6 +106,8 @@ class Scheduler:
             )
         self._requests[request_id] = request
         self._waiting.append(request)
+        if self.pool.enable_caching and not needs_prompt_logits:
+            self._announce(request, self.pool.lookup(request.chain))
 
     def finish_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
@@ -188,6 +190,8 @@ class Scheduler:
         request.num_hit_blocks = len(hits)
         request.num_registered_blocks = len(hits)
         request.cached_tail_block_id = hits[-1] if hits else None
+        if use_cache:
+            self._announce(request, hits)
         request.num_computed_tokens = usable * bs
         request.status = RequestStatus.PREFILLING
         self._num_chunks_skipped += (usable * bs + grid.num_left_pad_tokens) // cfg.chunk_size
@@ -354,7 +358,9 @@ class Scheduler:
             if index > 0 and parent is None:
                 break  # the chain is broken: nobody could reach the later blocks
             parent = self.pool.register(table[index], request.chain, index, parent)
-            if parent is not None and parent != table[index]:
+            if parent is None:  # not cached, so neither will the later blocks be
+                self._withdraw_announced(request, index)
+            elif parent != table[index]:
                 # An equal block was cached first: hold it instead of our copy (same KV, and
                 # the block we chain onto can then never be recycled under us).
                 self.pool.share([parent])
@@ -407,7 +413,34 @@ class Scheduler:
         request.finish_reason = reason
         del self._requests[request.request_id]
 
+    def _announce(self, request: Request, hits: Sequence[int]) -> None:
+        """Publish the full blocks of the request's prefill past ``hits`` (its cached prefix)
+        as soon as it is queued: a router may then send the prefix's next requests here, where
+        they queue behind this one (prefills run one at a time, in order) and hit its blocks
+        once written (DESIGN §4, KV events). At admission: announcements the hits now cover
+        are consumed; a request re-queued by a preemption is announced again."""
+        num_hits = len(hits)
+        announced = request.announced_blocks
+        if announced:
+            covered = range(announced.start, min(num_hits, announced.stop))
+            self.pool.withdraw(request.chain, covered)  # cached now: nothing is removed
+            request.announced_blocks = range(max(announced.start, num_hits), announced.stop)
+            return
+        end = len(request.all_token_ids) // self.config.block_size
+        request.announced_blocks = range(num_hits, max(num_hits, end))
+        self.pool.announce(request.chain, request.announced_blocks)
+
+    def _withdraw_announced(self, request: Request, first: int) -> None:
+        """The announced blocks from ``first`` on will not be registered by ``request``."""
+        announced = request.announced_blocks
+        withdrawn = range(max(first, announced.start), announced.stop)
+        if withdrawn:
+            self.pool.withdraw(request.chain, withdrawn)
+            request.announced_blocks = range(announced.start, withdrawn.start)
+
     def _release_blocks(self, request: Request) -> None:
+        self._withdraw_announced(request, request.num_registered_blocks)
+        request.announced_blocks = range(0)
         self.pool.free(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
@@ -417,15 +450,33 @@ class Scheduler:
 
     # ------------------------------------------------------------- inspection
     def reset_prefix_cache(self) -> int:
-        """Drop every cached block from lookups (always succeeds); returns how many."""
+        """Drop every cached block from lookups (always succeeds); returns how many. Routers
+        forget every block too (``AllBlocksCleared``), announced ones included: a waiting
+        request is announced again at admission, and the rest of a prefill publishes its
+        blocks as it registers them."""
+        for request in self._requests.values():
+            request.announced_blocks = range(0)
         return self.pool.reset()
 
     def block_tables(self) -> dict[str, list[int]]:
         return {rid: r.block_table for rid, r in self._requests.items() if r.block_table}
 
     def check_integrity(self) -> None:
-        """The pool's invariants, with every reference accounted for by a request's table."""
+        """The pool's invariants, with every reference accounted for by a request's table, and
+        every announced block accounted for by a request that will register or withdraw it."""
         self.pool.check_integrity(self.block_tables())
+        pending = Counter(
+            r.chain.hashes[index]
+            for r in self._requests.values()
+            for index in r.pending_announced_blocks
+        )
+        # A registration of equal content by another request takes an announcement too, so the
+        # pool may hold fewer than the requests account for, never more.
+        unaccounted = self.pool.announced_hashes() - pending
+        if unaccounted:
+            raise IntegrityError(
+                f"{unaccounted.total()} announced blocks in the pool belong to no request"
+            )
 
     def make_stats(self) -> SchedulerStats:
         running = len(self._decoding) + (self._prefilling is not None)

@@ -1245,3 +1245,74 @@ def test_detects_a_free_queue_cycle(pool: BlockPool) -> None:
     # the walk goes 1 .. 7, 1, ...: longer than the queue length
     with pytest.raises(IntegrityError, match="free queue"):
         pool.check_integrity()
+
+
+# ----------------------------------------------------------- announced (scheduled) blocks
+def test_an_announced_block_is_published_at_once_but_found_only_once_registered(
+    pool: BlockPool,
+) -> None:
+    events = recorder(pool)
+    chain = make_chain(toks(100, 2))
+    pool.announce(chain, range(2))
+    assert events == [stored(chain, 0), stored(chain, 1)]
+    assert pool.num_announced_blocks == 2
+    assert pool.lookup(chain) == []  # the KV is not written yet: no hit
+    table = pool.allocate(2)
+    assert table == [1, 2]
+    assert register_all(pool, table, chain) == [1, 2]
+    assert events == [stored(chain, 0), stored(chain, 1)]  # registering publishes nothing more
+    assert pool.num_announced_blocks == 0
+    assert pool.lookup(chain) == [1, 2]
+
+
+def test_a_withdrawn_announcement_is_removed_once(pool: BlockPool) -> None:
+    events = recorder(pool)
+    chain = make_chain(toks(100, 3))
+    pool.announce(chain, range(1, 3))
+    pool.withdraw(chain, range(1, 3))
+    assert events == [
+        stored(chain, 1),
+        stored(chain, 2),
+        BlockRemoved(chain.hashes[1]),
+        BlockRemoved(chain.hashes[2]),
+    ]
+    pool.withdraw(chain, range(3))  # not announced (any more): nothing
+    assert len(events) == 4 and pool.num_announced_blocks == 0
+
+
+def test_a_withdrawn_block_another_announcement_or_the_cache_holds_is_not_removed(
+    pool: BlockPool,
+) -> None:
+    chain = make_chain(toks(100, 2))
+    table = pool.allocate(1)
+    assert table is not None
+    assert register_all(pool, table, chain, 1) == [1]  # block 0 of the chain cached
+    events = recorder(pool)
+    pool.announce(chain, range(2))  # twice block 0's content (cached), once block 1's
+    pool.announce(chain, range(1, 2))  # block 1 announced a second time
+    pool.withdraw(chain, range(2))
+    assert events == [stored(chain, 0), stored(chain, 1), stored(chain, 1)]
+    assert pool.num_announced_blocks == 1
+    pool.withdraw(chain, range(1, 2))
+    assert events[-1] == BlockRemoved(chain.hashes[1])
+
+
+def test_a_reset_forgets_announcements_so_a_later_register_publishes_again(
+    pool: BlockPool,
+) -> None:
+    events = recorder(pool)
+    chain = make_chain(toks(100, 1))
+    pool.announce(chain, range(1))
+    assert pool.reset() == 0
+    assert pool.num_announced_blocks == 0
+    table = pool.allocate(1)
+    assert table is not None
+    register_all(pool, table, chain)
+    assert events == [stored(chain, 0), AllBlocksCleared(), stored(chain, 0)]
+
+
+def test_announcing_with_caching_off_publishes_nothing() -> None:
+    pool = BlockPool(8, BS, enable_caching=False)
+    events = recorder(pool)
+    pool.announce(make_chain(toks(100, 2)), range(2))
+    assert events == [] and pool.num_announced_blocks == 0
