@@ -15,31 +15,37 @@ from hypothesis import settings
 from tests import conftest
 
 ROOT = Path(__file__).resolve().parents[1]
-REGISTRY_HOSTS = (
-    "pypi.org",
-    "pythonhosted.org",
-    "download.pytorch.org",
-    "deb.debian.org",
-    "security.debian.org",
-    "snapshot.debian.org",
-    "archive.ubuntu.com",
-    "registry.npmjs.org",
-    "registry.yarnpkg.com",
-    "repo.anaconda.com",
-    "conda.anaconda.org",
-    "crates.io",
-    "proxy.golang.org",
-    "huggingface.co",
-    "docker.io/",
-    "registry-1.docker.io",
-    "hub.docker.com",
-    "download.docker.com",
-    "quay.io",
-    "ghcr.io",
-    "gcr.io",
-    "registry.k8s.io",
+_REGISTRY_HOST_LABELS = (
+    ("pypi", "org"),
+    ("pythonhosted", "org"),
+    ("download", "pytorch", "org"),
+    ("deb", "debian", "org"),
+    ("security", "debian", "org"),
+    ("snapshot", "debian", "org"),
+    ("archive", "ubuntu", "com"),
+    ("registry", "npmjs", "org"),
+    ("registry", "yarnpkg", "com"),
+    ("repo", "anaconda", "com"),
+    ("conda", "anaconda", "org"),
+    ("crates", "io"),
+    ("proxy", "golang", "org"),
+    ("huggingface", "co"),
+    ("docker", "io", "/"),
+    ("registry-1", "docker", "io"),
+    ("hub", "docker", "com"),
+    ("download", "docker", "com"),
+    ("quay", "io"),
+    ("ghcr", "io"),
+    ("gcr", "io"),
+    ("registry", "k8s", "io"),
 )
-"""Package, image and model registries. (Debian's package docker.io is named without a slash.)"""
+REGISTRY_HOSTS = tuple(
+    ".".join(p for p in labels if p != "/") + ("/" if labels[-1] == "/" else "")
+    for labels in _REGISTRY_HOST_LABELS
+)
+"""Package, image and model registries, kept as their dot-separated labels so that this file
+names no host either ("/": the host followed by a slash; Debian's package docker.io is named
+without one)."""
 
 
 @pytest.mark.parametrize(("in_ci", "outcome"), [(True, "failed"), (False, "skipped")])
@@ -82,7 +88,7 @@ def test_the_tree_names_no_package_registry_host() -> None:
         pytest.skip("not a git checkout")
     pattern = "|".join(re.escape(host) for host in REGISTRY_HOSTS)
     found = subprocess.run(
-        ["git", "grep", "-n", "-I", "-i", "-E", pattern, "--", ".", ":!tests/test_ci_rules.py"],
+        ["git", "grep", "-n", "-I", "-i", "-E", pattern, "--", "."],
         cwd=ROOT,
         capture_output=True,
         text=True,
