@@ -40,7 +40,7 @@ def test_a_prompt_s_blocks_are_published_when_queued_and_hit_once_written() -> N
     assert d.sched.pool.num_announced_blocks == 0
 
 
-def test_a_request_queued_behind_the_prefill_hits_every_block_it_published() -> None:
+def test_a_request_queued_behind_the_prefill_hits_every_block_that_prefill_wrote() -> None:
     """b arrives (routed here by a's events) while a's prefill runs: it is admitted after a's
     last chunk and hits all four blocks; nothing is computed twice."""
     d = Driver(make_scheduler(chunk_size=128, num_blocks=32))
