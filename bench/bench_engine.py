@@ -50,7 +50,8 @@ from scheduler import (
     SchedulerConfig,
 )
 from spyre_server.config import Config, load_config
-from spyre_server.engine.factory import build_runner, scheduler_config
+from spyre_server.engine.factory import scheduler_config
+from spyre_server.model.build import build_runner
 from spyre_server.model.cpu.runner import CpuModelRunner
 from spyre_server.model.loading import LoadedModel, cpu_flags, load_model
 from spyre_server.model.store import default_cache_dir, prepare_default_model

@@ -54,6 +54,7 @@ class ModelSection(_Section):
     max_model_len: int = Field(2048, gt=0)
     served_model_name: str | None = None
     num_threads: int | None = Field(None, gt=0)
+    tensor_parallel_size: int = Field(1, ge=1)
     cache_dir: Path | None = None
     kernel_dir: Path | None = None
     chat_template: str | None = None

@@ -130,6 +130,8 @@ class ServerMetrics:
         model_name: str,
         read_stats: Callable[[], SchedulerStats],
         read_program_stats: Callable[[], ProgramStats | None] = lambda: None,
+        *,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
@@ -147,6 +149,12 @@ class ServerMetrics:
             return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
         model = (model_name,)
+        Gauge(
+            "spyre:tensor_parallel_size",
+            "Ranks (processes, one per card or core group) the model is split over.",
+            labels,
+            registry=self.registry,
+        ).labels(*model).set(tensor_parallel_size)
         self.prompt_tokens = counter(
             "vllm:prompt_tokens", "Prompt tokens of finished requests."
         ).labels(*model)

@@ -61,9 +61,16 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        num_threads: int | None = None,
+        on_death: Callable[[], None] | None = None,
+    ) -> None:
         """``num_threads``: torch threads the step thread sets when it starts (``None``: leave
-        torch's setting as it is)."""
+        torch's setting as it is). ``on_death``: called on the step thread once the loop has
+        died and every request has its error (the server then exits)."""
         self.core = engine
         """The synchronous engine it drives (touched only on the step thread)."""
         self._num_threads = num_threads
@@ -75,6 +82,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         """Why the step loop died, if it did."""
+        self.on_death = on_death
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -193,12 +201,16 @@ class AsyncEngine:
                     self._wakeup.clear()
                     continue
                 self._publish(self.core.step())
-        except BaseException as exc:  # a bug: report it on /health and to every waiting client
+        except BaseException as exc:  # report it on /health and to every waiting client
             logger.exception("engine step loop died")
             self.error = exc
             self._fail_all(f"engine step loop died: {type(exc).__name__}: {exc}")
+            if self.on_death is not None:
+                self.on_death()
         else:
             self._fail_all("the server is shutting down")
+        finally:
+            self.core.runner.close()
 
     def _apply_commands(self) -> None:
         while self._commands:

@@ -23,7 +23,7 @@ from scheduler import (
 )
 from spyre_server.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from spyre_server.engine.validation import RequestLimits
-from spyre_server.model.runner import ModelRunner
+from spyre_server.model.runner import FatalRunnerError, ModelRunner
 from spyre_server.sample.sampler import (
     SamplingParams,
     SequenceSampling,
@@ -211,6 +211,8 @@ class LLMEngine:
             return []
         try:
             result = self.runner.execute(step, self._sampling)
+        except FatalRunnerError:
+            raise  # no step can run any more: the engine stops
         except Exception as exc:  # a failed step ends only the requests it carried
             logger.exception("model step failed")
             message = f"model step failed: {type(exc).__name__}: {exc}"

@@ -9,14 +9,9 @@ import os
 from scheduler import PrefillCompute, Scheduler, SchedulerConfig
 from spyre_server.config import Config
 from spyre_server.engine.core import LLMEngine
-from spyre_server.model.cpu.kernels.library import NativeKernelSettings
-from spyre_server.model.cpu.prepare import (
-    cpu_attention_kernel,
-    cpu_decoder,
-    cpu_inference_copy,
-    warn_unless_row_invariant,
-)
+from spyre_server.model.build import build_runner
 from spyre_server.model.cpu.runner import CpuModelRunner
+from spyre_server.model.errors import ModelLoadError
 from spyre_server.model.loading import (
     LoadedModel,
     check_serving_config,
@@ -24,7 +19,9 @@ from spyre_server.model.loading import (
     num_kv_blocks,
     served_model_name,
 )
-from spyre_server.model.runner import ModelRunner, attention_window, kv_cache_shape
+from spyre_server.model.parallel.placement import placements
+from spyre_server.model.parallel.runner import start_ranks
+from spyre_server.model.runner import ModelRunner
 from spyre_server.model.spyre.compile import prepare_backend, sendnn_environment
 from spyre_server.model.spyre.known_configs import registry_config
 from spyre_server.model.spyre.kv_blocks import spyre_num_kv_blocks
@@ -55,14 +52,20 @@ def build_engine(config: Config, loaded: LoadedModel, *, compile_only: bool = Fa
     sched_config = scheduler_config(config, num_blocks, runner_class.prefill_compute)
     model_name = served_model_name(config, loaded)
     scheduler = Scheduler(sched_config, hash_seed=config.cache.hash_seed, model_name=model_name)
-    runner = build_runner(config, loaded, sched_config, compile_only=compile_only)
+    tp_size = config.model.tensor_parallel_size
     logger.info(
-        "KV cache: %d blocks of %d tokens (%s), %s backend",
+        "KV cache: %d blocks of %d tokens (%s), %s backend, tensor parallel size %d",
         num_blocks,
         config.cache.block_size,
         loaded.dtype,
         config.model.backend,
+        tp_size,
     )
+    runner: ModelRunner
+    if tp_size > 1:
+        runner = start_ranks(config, loaded, sched_config)
+    else:
+        runner = build_runner(config, loaded, sched_config, compile_only=compile_only)
     warm_up(config, runner, compile_only=compile_only)
     return LLMEngine(
         scheduler,
@@ -123,6 +126,7 @@ def check_backend(config: Config, *, compile_only: bool = False) -> None:
     cannot give ``spyre-server compile`` (``compile_only``) or ``model.require_precompiled``
     what they need (precompiled.py)."""
     check_settings(config, compile_only=compile_only)
+    check_tensor_parallel(config, compile_only=compile_only)
     if config.model.backend == "cpu":
         return
     # The card's known-good configurations (with sendnn): their values go into the limits
@@ -153,65 +157,16 @@ def check_backend(config: Config, *, compile_only: bool = False) -> None:
     card.check(config.model.allow_unverified_config)
 
 
-def build_runner(
-    config: Config, loaded: LoadedModel, sched: SchedulerConfig, *, compile_only: bool = False
-) -> ModelRunner:
-    """The configured backend's runner for ``loaded``, its KV cache sized by ``sched`` (not
-    warmed up). ``check_backend`` must have run first."""
-    window = attention_window(loaded.model, sched.max_model_len)
-    if window is not None:
-        logger.info("attention: a sliding window of %d keys on every layer", window)
-    if config.model.backend == "cpu":
-        kernels = NativeKernelSettings(config.model.kernel_dir, config.model.native_avx512)
-        model = cpu_inference_copy(
-            loaded.model,
-            linear_kernel=config.model.linear_kernel,
-            dtype=loaded.dtype,
-            kernel_settings=kernels,
+def check_tensor_parallel(config: Config, *, compile_only: bool = False) -> None:
+    """With ``model.tensor_parallel_size`` above 1: refuse what the ranks do not do yet
+    (``spyre-server compile``, ``model.require_precompiled``: the graph cache is per process)
+    and ranks that do not fit on this host (``placement.placements``)."""
+    size = config.model.tensor_parallel_size
+    if size == 1:
+        return
+    if compile_only or config.model.require_precompiled:
+        raise ModelLoadError(
+            f"model.tensor_parallel_size {size}: spyre-server compile and "
+            "model.require_precompiled run with tensor_parallel_size 1 only"
         )
-        attention = cpu_attention_kernel(
-            config.model.attention_kernel,
-            dtype=loaded.dtype,
-            head_dim=kv_cache_shape(model).head_dim,
-            kernel_settings=kernels,
-        )
-        warn_unless_row_invariant(
-            config.model.linear_kernel,
-            config.model.attention_kernel,
-            dtype=loaded.dtype,
-            head_dim=kv_cache_shape(model).head_dim,
-            prefix_caching=config.cache.enable_prefix_caching,
-        )
-        return CpuModelRunner(
-            model,
-            num_blocks=sched.num_blocks,
-            block_size=sched.block_size,
-            dtype=loaded.dtype,
-            attention=attention,
-            decoder=cpu_decoder(model, attention),
-            sliding_window=window,
-        )
-    if config.model.compile_backend != "sendnn":
-        kv_bytes = sched.num_blocks * kv_cache_shape(loaded.model).bytes_per_block(
-            sched.block_size, loaded.dtype
-        )
-        logger.warning(
-            "spyre backend on a CPU (%s): fms's reference spyre_paged_attn copies the whole KV "
-            "cache (%.0f MiB) at every layer of every step; a small cache.num_blocks keeps it "
-            "bearable",
-            config.model.compile_backend,
-            kv_bytes / 2**20,
-        )
-    return SpyreModelRunner(
-        loaded.model,
-        num_blocks=sched.num_blocks,
-        block_size=sched.block_size,
-        dtype=loaded.dtype,
-        chunk_size=sched.chunk_size,
-        max_num_seqs=sched.max_num_seqs,
-        max_model_len=sched.max_model_len,
-        compile_backend=config.model.compile_backend,
-        sliding_window=window,
-        special_token_ids=[] if loaded.eos_token_id is None else [loaded.eos_token_id],
-        compile_only=compile_only,
-    )
+    placements(config)

@@ -65,6 +65,7 @@ def _serve(config: Config) -> int:
     # serve() hands SIGTERM over to uvicorn's drain once the server is built.
     signal.signal(signal.SIGTERM, _stop_during_startup)
     # Imported here: torch, fms and uvicorn take seconds to import.
+    from spyre_server.engine.async_engine import EngineDeadError
     from spyre_server.entrypoints.listen_socket import ListenError
     from spyre_server.entrypoints.serve import serve
     from spyre_server.model.loading import ModelLoadError
@@ -74,6 +75,9 @@ def _serve(config: Config) -> int:
     except (ListenError, ModelLoadError) as exc:
         _progress(f"error: {exc}")
         return 2
+    except EngineDeadError as exc:
+        _progress(f"error: {exc}")
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn drained the requests in flight and raised the signal again, or the
         # model was still loading.

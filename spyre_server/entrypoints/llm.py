@@ -16,6 +16,7 @@ from spyre_server.model.loading import (
     load_model,
     model_dtype,
     resolve_model_path,
+    weights_in_process,
 )
 from spyre_server.sample.sampler import SamplingParams
 
@@ -38,9 +39,22 @@ class LLM:
         configure_torch(config)
         check_backend(config)
         loaded = load_model(
-            resolve_model_path(config), model_dtype(config), fused_weights=fused_weights_for(config)
+            resolve_model_path(config),
+            model_dtype(config),
+            fused_weights=fused_weights_for(config),
+            weights=weights_in_process(config),
         )
         return cls(build_engine(config, loaded))
+
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel ranks); no generation afterwards."""
+        self.engine.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -23,7 +23,7 @@ from spyre_server.api.generation_defaults import GenerationDefaults
 from spyre_server.api.metrics import ServerMetrics
 from spyre_server.api.state import ServerState
 from spyre_server.config import Config
-from spyre_server.engine.async_engine import AsyncEngine
+from spyre_server.engine.async_engine import AsyncEngine, EngineDeadError
 from spyre_server.engine.core import LLMEngine
 from spyre_server.engine.factory import build_engine, check_backend
 from spyre_server.entrypoints.listen_socket import bind_socket
@@ -34,6 +34,7 @@ from spyre_server.model.loading import (
     load_model,
     model_dtype,
     resolve_model_path,
+    weights_in_process,
 )
 from spyre_server.sample.structured_output import GrammarCompiler
 
@@ -52,7 +53,9 @@ def load(config: Config) -> LoadedModel:
     path = resolve_model_path(config, progress=lambda message: logger.info("%s", message))
     dtype = model_dtype(config)
     logger.info("loading the model from %s (%s)", path, str(dtype).removeprefix("torch."))
-    return load_model(path, dtype, fused_weights=fused_weights_for(config))
+    return load_model(
+        path, dtype, fused_weights=fused_weights_for(config), weights=weights_in_process(config)
+    )
 
 
 def build_app(
@@ -77,7 +80,12 @@ def build_app(
             default_max_tokens=config.server.default_max_tokens,
             max_waiting=config.scheduler.max_waiting,
         ),
-        metrics=ServerMetrics(model_name, engine.scheduler.make_stats, engine.runner.program_stats),
+        metrics=ServerMetrics(
+            model_name,
+            engine.scheduler.make_stats,
+            engine.runner.program_stats,
+            tensor_parallel_size=config.model.tensor_parallel_size,
+        ),
         api_keys=APIKeys(config.server.api_keys, salt_secret(config.cache.hash_seed)),
         created=int(time.time()),
         model_root=str(loaded.path),
@@ -123,7 +131,13 @@ def serve(config: Config) -> None:
         log_level=config.server.log_level,
         timeout_graceful_shutdown=config.server.graceful_shutdown_seconds,
     )
-    DrainingServer(uvicorn_config, on_deadline=engine.stop).run(sockets=[sock])
+    server = DrainingServer(uvicorn_config, on_deadline=engine.stop)
+    engine.on_death = server.stop_serving
+    server.run(sockets=[sock])
+    if engine.error is not None:
+        raise EngineDeadError(
+            f"the engine stopped while serving: {type(engine.error).__name__}: {engine.error}"
+        )
 
 
 def release_freed_memory() -> None:
@@ -151,6 +165,11 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._on_deadline = on_deadline
         self._deadline_timer: threading.Timer | None = None
+
+    def stop_serving(self) -> None:
+        """Stop as after SIGTERM (callable from any thread): the engine has died, every
+        request has its error, and the process should exit."""
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._deadline_timer is None and self.config.timeout_graceful_shutdown is not None:

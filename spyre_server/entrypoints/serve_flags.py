@@ -28,7 +28,8 @@ So a flag overrides the environment, which overrides the config file. Errors nam
 variable or flag that set the bad value.
 
 exit status: 0 after a graceful stop (SIGTERM, Ctrl-C), 2 for a bad configuration, a port
-that is in use or a model that cannot be loaded."""
+that is in use or a model that cannot be loaded, 1 when the engine stops while serving (a
+tensor-parallel rank ended: the server answers every request in flight with an error first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,14 @@ FLAGS: tuple[ServeFlag, ...] = (
         "DTYPE",
         "auto, float32, bfloat16, or float16 (spyre backend only); default {default}: the "
         "backend's best on this machine (cpu: bfloat16 with AMX or AVX512-BF16, else float32)",
+    ),
+    ServeFlag(
+        "--tensor-parallel-size",
+        "model.tensor_parallel_size",
+        "N",
+        "ranks one model is split over: cpu sockets or core groups (cpu backend), Spyre cards "
+        "(spyre backend); default {default}",
+        int,
     ),
     ServeFlag(
         "--chat-template",

@@ -81,7 +81,10 @@ def physical_cores() -> int:
 
 
 def compute_threads(config: Config) -> int:
-    """Torch threads for the model's steps: ``model.num_threads``, default the physical cores."""
+    """Torch threads of the engine's step thread: ``model.num_threads``, default the physical
+    cores; 1 with tensor parallelism, where the ranks run the model and the engine samples."""
+    if config.model.tensor_parallel_size > 1:
+        return 1
     return config.model.num_threads or physical_cores()
 
 
@@ -111,14 +114,25 @@ def fused_weights_for(config: Config) -> bool:
     return config.model.backend != "spyre"
 
 
-def load_model(path: Path, dtype: torch.dtype, *, fused_weights: bool = True) -> LoadedModel:
+def weights_in_process(config: Config) -> bool:
+    """Whether the engine's process loads the model's weights: not with
+    ``model.tensor_parallel_size`` above 1, whose ranks each load their shard
+    (``parallel.worker``); the engine's process then holds the model's modules only."""
+    return config.model.tensor_parallel_size == 1
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, *, fused_weights: bool = True, weights: bool = True
+) -> LoadedModel:
     """Load an HF-format checkpoint and the tokenizer of the same folder: the fms model that
     config.json describes (``hf_config.read_model_spec``: refused by name where it would not
     compute what HF transformers computes), every parameter filled from the checkpoint and
     every tensor of the checkpoint used (``checkpoint.load_checkpoint``), rotary embeddings as
     HF computes them (``rope.install_rope``). ``fused_weights=False``: the model built with
     unfused projections, which fms's adapters then fill unfused (``fused_weights_for(config)``
-    says which a backend wants); fms's Mixtral has no unfused form and stays fused."""
+    says which a backend wants); fms's Mixtral has no unfused form and stays fused.
+    ``weights=False``: the model's modules on the meta device, no weights read
+    (``weights_in_process``): what the model is, its sizes and its tokenizer."""
     from transformers import AutoTokenizer
 
     check_readable(path)
@@ -127,22 +141,8 @@ def load_model(path: Path, dtype: torch.dtype, *, fused_weights: bool = True) ->
     if not fused_weights and spec.fms_architecture != "mixtral":
         spec = replace(spec, fms_config=spec.fms_config.updated(fused_weights=False))
     model = build_model(spec)
-    try:
-        load_checkpoint(model, path, spec, dtype)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # an unreadable file, a corrupt shard
-        raise ModelLoadError(
-            f"cannot load the checkpoint at {path} ({spec.architecture}): "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if spec.rope is not None:
-        install_rope(model, spec.rope)  # before post_init, which then keeps these tables
-    elif rotary_embeddings(model):
-        raise ModelLoadError(f"fms's {spec.fms_architecture} has rotary embeddings, {path} none")
-    post_init = getattr(model, "post_init", None)
-    if callable(post_init):
-        post_init()
+    if weights:
+        _fill(model, path, spec, dtype)
     model.eval()
     kv_cache_shape(model)  # fails early for models without fms attention modules
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -159,6 +159,26 @@ def load_model(path: Path, dtype: torch.dtype, *, fused_weights: bool = True) ->
         vocab_size=embeddings[0].num_embeddings,
         spec=spec,
     )
+
+
+def _fill(model: torch.nn.Module, path: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
+    """Every parameter of ``model`` from the checkpoint at ``path``, and HF's rotary tables."""
+    try:
+        load_checkpoint(model, path, spec, dtype)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # an unreadable file, a corrupt shard
+        raise ModelLoadError(
+            f"cannot load the checkpoint at {path} ({spec.architecture}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if spec.rope is not None:
+        install_rope(model, spec.rope)  # before post_init, which then keeps these tables
+    elif rotary_embeddings(model):
+        raise ModelLoadError(f"fms's {spec.fms_architecture} has rotary embeddings, {path} none")
+    post_init = getattr(model, "post_init", None)
+    if callable(post_init):
+        post_init()
 
 
 def build_model(spec: ModelSpec) -> torch.nn.Module:

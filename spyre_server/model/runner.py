@@ -115,13 +115,111 @@ class ProgramStats:
     """Graphs compiled after warm-up: a step no warmed graph served (0 when all is well)."""
 
 
+class FatalRunnerError(RuntimeError):
+    """The runner can run no further step (a tensor-parallel rank died or failed): the engine
+    stops, where after any other step error it ends only the requests the step carried."""
+
+
 class ModelRunner(abc.ABC):
+    """Runs steps; ``LocalModelRunner`` in this process, ``parallel.runner`` on ranks."""
+
     prefill_compute: ClassVar[PrefillCompute]
     supports_prompt_logits: ClassVar[bool]
     """Whether the backend can return the logits of every prompt position (echo + logprobs)."""
     supports_inference_mode: ClassVar[bool] = True
     """Whether the backend's steps may run under ``torch.inference_mode`` (else
     ``torch.no_grad``); ``grad_mode`` reads it."""
+
+    def warm_up(self) -> None:  # noqa: B027  (most backends have nothing to prepare)
+        """Prepare every program the server can issue, before the first request."""
+
+    def program_stats(self) -> ProgramStats | None:
+        return None
+
+    def close(self) -> None:  # noqa: B027  (a runner in this process holds nothing to stop)
+        """Stop what the runner started (its rank processes); no step runs afterwards."""
+
+    def grad_mode(self) -> contextlib.AbstractContextManager[object]:
+        """The autograd mode of every step and of the warm-up: the one place that decides it.
+        ``torch.inference_mode`` where the backend supports it (cpu), else ``torch.no_grad``
+        (spyre: the reference stack, sendnn-inference 2.6.3, runs every Spyre step and its
+        warm-up under ``torch.no_grad``; its platform.py ``inference_mode``: "Spyre does not
+        support torch.inference_mode")."""
+        return torch.inference_mode() if self.supports_inference_mode else torch.no_grad()
+
+    def execute(self, step: ScheduledStep, params: SamplingInputs) -> StepResult:
+        """Run the step, write its KV, and sample a token for every row that must produce one."""
+        logits = self.step_logits(step)
+        with self.grad_mode():
+            if logits is None:
+                return StepResult({}, {})
+            if isinstance(step, PrefillChunk) and step.needs_prompt_logits:
+                return self._sample_with_prompt_logprobs(step, logits, params)
+            if isinstance(step, PrefillChunk):
+                return self._sample(logits, [step.request_id], [step.positions[-1] + 1], params)
+            return self._sample(
+                logits,
+                [e.request_id for e in step.entries],
+                [e.position + 1 for e in step.entries],
+                params,
+            )
+
+    def step_logits(self, step: ScheduledStep) -> torch.Tensor | None:
+        """Run the step's forward pass (writing its KV) and return the logits ``execute``
+        samples from: of every position of a prefill chunk with ``needs_prompt_logits``
+        (``[len(step.positions), vocab]``), else ``compute_logits``'. ``None`` where the step
+        samples nothing."""
+        with self.grad_mode():
+            if isinstance(step, PrefillChunk) and step.needs_prompt_logits:
+                return self._prompt_logits(step)
+            return self.compute_logits(step)
+
+    def compute_logits(self, step: ScheduledStep) -> torch.Tensor | None:
+        """Run the step's forward pass (writing its KV) and return the logits ``[rows, vocab]``
+        of the rows that must sample: the last prefill chunk's final position, or every decode
+        entry in order. ``None`` for a prefill chunk that samples nothing."""
+        with self.grad_mode():
+            if isinstance(step, PrefillChunk):
+                return self._prefill(step)
+            return self._decode(step)
+
+    def _sample_with_prompt_logprobs(
+        self, step: PrefillChunk, logits: torch.Tensor, params: SamplingInputs
+    ) -> StepResult:
+        """A chunk whose every position's logits are wanted (``logits``, all of them)."""
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        if not step.is_last_chunk:
+            return StepResult({}, {}, {step.request_id: rows})
+        result = self._sample(logits[-1:], [step.request_id], [step.positions[-1] + 1], params)
+        return StepResult(result.sampled_token_ids, result.logprobs, {step.request_id: rows})
+
+    @abc.abstractmethod
+    def _prefill(self, step: PrefillChunk) -> torch.Tensor | None: ...
+
+    def _prompt_logits(self, step: PrefillChunk) -> torch.Tensor | None:
+        """Compute every position of the chunk (writing its KV) and return their logits
+        ``[len(step.positions), vocab]``. Only for backends with ``supports_prompt_logits``."""
+        raise NotImplementedError(f"{type(self).__name__} returns no prompt logits")
+
+    @abc.abstractmethod
+    def _decode(self, step: DecodeBatch) -> torch.Tensor | None: ...
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        positions: list[int],
+        params: SamplingInputs,
+    ) -> StepResult:
+        result = sample(logits, [params[r] for r in request_ids], positions)
+        logprobs = {
+            r: lp for r, lp in zip(request_ids, result.logprobs, strict=True) if lp is not None
+        }
+        return StepResult(dict(zip(request_ids, result.token_ids, strict=True)), logprobs)
+
+
+class LocalModelRunner(ModelRunner):
+    """A runner whose model and KV cache live in this process."""
 
     def __init__(
         self, model: torch.nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype
@@ -142,78 +240,3 @@ class ModelRunner(abc.ABC):
             )
             for _ in range(shape.num_layers)
         ]
-
-    def warm_up(self) -> None:  # noqa: B027  (most backends have nothing to prepare)
-        """Prepare every program the server can issue, before the first request."""
-
-    def program_stats(self) -> ProgramStats | None:
-        return None
-
-    def grad_mode(self) -> contextlib.AbstractContextManager[object]:
-        """The autograd mode of every step and of the warm-up: the one place that decides it.
-        ``torch.inference_mode`` where the backend supports it (cpu), else ``torch.no_grad``
-        (spyre: the reference stack, sendnn-inference 2.6.3, runs every Spyre step and its
-        warm-up under ``torch.no_grad``; its platform.py ``inference_mode``: "Spyre does not
-        support torch.inference_mode")."""
-        return torch.inference_mode() if self.supports_inference_mode else torch.no_grad()
-
-    def execute(self, step: ScheduledStep, params: SamplingInputs) -> StepResult:
-        """Run the step, write its KV, and sample a token for every row that must produce one."""
-        with self.grad_mode():
-            if isinstance(step, PrefillChunk) and step.needs_prompt_logits:
-                return self._prefill_with_prompt_logprobs(step, params)
-            logits = self.compute_logits(step)
-            if logits is None:
-                return StepResult({}, {})
-            if isinstance(step, PrefillChunk):
-                return self._sample(logits, [step.request_id], [step.positions[-1] + 1], params)
-            return self._sample(
-                logits,
-                [e.request_id for e in step.entries],
-                [e.position + 1 for e in step.entries],
-                params,
-            )
-
-    def compute_logits(self, step: ScheduledStep) -> torch.Tensor | None:
-        """Run the step's forward pass (writing its KV) and return the logits ``[rows, vocab]``
-        of the rows that must sample: the last prefill chunk's final position, or every decode
-        entry in order. ``None`` for a prefill chunk that samples nothing."""
-        with self.grad_mode():
-            if isinstance(step, PrefillChunk):
-                return self._prefill(step)
-            return self._decode(step)
-
-    def _prefill_with_prompt_logprobs(
-        self, step: PrefillChunk, params: SamplingInputs
-    ) -> StepResult:
-        """A chunk whose every position's logits are wanted: all of them are computed."""
-        logits = self._prompt_logits(step)
-        rows = torch.log_softmax(logits.float(), dim=-1)
-        if not step.is_last_chunk:
-            return StepResult({}, {}, {step.request_id: rows})
-        result = self._sample(logits[-1:], [step.request_id], [step.positions[-1] + 1], params)
-        return StepResult(result.sampled_token_ids, result.logprobs, {step.request_id: rows})
-
-    @abc.abstractmethod
-    def _prefill(self, step: PrefillChunk) -> torch.Tensor | None: ...
-
-    def _prompt_logits(self, step: PrefillChunk) -> torch.Tensor:
-        """Compute every position of the chunk (writing its KV) and return their logits
-        ``[len(step.positions), vocab]``. Only for backends with ``supports_prompt_logits``."""
-        raise NotImplementedError(f"{type(self).__name__} returns no prompt logits")
-
-    @abc.abstractmethod
-    def _decode(self, step: DecodeBatch) -> torch.Tensor: ...
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        request_ids: list[str],
-        positions: list[int],
-        params: SamplingInputs,
-    ) -> StepResult:
-        result = sample(logits, [params[r] for r in request_ids], positions)
-        logprobs = {
-            r: lp for r, lp in zip(request_ids, result.logprobs, strict=True) if lp is not None
-        }
-        return StepResult(dict(zip(request_ids, result.token_ids, strict=True)), logprobs)

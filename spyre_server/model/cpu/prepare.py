@@ -27,6 +27,7 @@ import torch
 
 from spyre_server.model.cpu.decoders.aten import AtenDecoder
 from spyre_server.model.cpu.decoders.aten import unsupported_reason as aten_unsupported_reason
+from spyre_server.model.cpu.decoders.base import SumAcrossRanks
 from spyre_server.model.cpu.decoders.native import NativeDecoder
 from spyre_server.model.cpu.decoders.native import unsupported_reason as native_unsupported_reason
 from spyre_server.model.cpu.decoders.native_bf16 import NativeBf16Decoder
@@ -193,22 +194,25 @@ def cpu_attention_kernel(
 
 
 def cpu_decoder(
-    model: torch.nn.Module, attention: NativePagedAttention | None
+    model: torch.nn.Module,
+    attention: NativePagedAttention | None,
+    reduce: SumAcrossRanks | None = None,
 ) -> NativeDecoder | NativeBf16Decoder | AtenDecoder | None:
     """The runner's step for ``model`` (a ``cpu_inference_copy``) with ``attention``: the first
     of the native decoder (float32), the native bfloat16 decoder and the aten decoder that covers
-    them, else None: fms's forward runs the steps. The log says which, and why not the others."""
+    them, else None: fms's forward runs the steps. The log says which, and why not the others.
+    ``reduce``: a tensor-parallel rank's sum across the ranks (``Decoder``)."""
     native_reason = (
         "the attention kernel is flash" if attention is None else native_unsupported_reason(model)
     )
     if native_reason is None:
         assert attention is not None
         logger.info("cpu kernels: steps on the native decoder")
-        return NativeDecoder(model, attention)
+        return NativeDecoder(model, attention, reduce)
     bf16_reason = bf16_unsupported_reason(model)
     if bf16_reason is None:
         logger.info("cpu kernels: steps on the native bfloat16 decoder")
-        return NativeBf16Decoder(model, attention)
+        return NativeBf16Decoder(model, attention, reduce)
     aten_reason = aten_unsupported_reason(model)
     if aten_reason is None:
         logger.info(
@@ -216,7 +220,7 @@ def cpu_decoder(
             native_reason,
             bf16_reason,
         )
-        return AtenDecoder(model, attention)
+        return AtenDecoder(model, attention, reduce)
     logger.info(
         "cpu kernels: steps through fms's forward (not native: %s; not aten: %s)",
         native_reason,

@@ -20,7 +20,7 @@ from spyre_server.model.cpu.paged_attention import (
     paged_attention_kwargs,
     plan_attention,
 )
-from spyre_server.model.runner import KVCaches, ModelRunner
+from spyre_server.model.runner import KVCaches, LocalModelRunner
 
 StepDecoder = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, KVCaches, int], torch.Tensor | None
@@ -31,7 +31,7 @@ whole step, as the model's forward with our paged-attention op computes it
 for ``last_n_tokens`` 0, where only the KV is written."""
 
 
-class CpuModelRunner(ModelRunner):
+class CpuModelRunner(LocalModelRunner):
     prefill_compute = PrefillCompute.NEW_POSITIONS
     supports_prompt_logits = True
 

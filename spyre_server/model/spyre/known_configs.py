@@ -341,9 +341,6 @@ def card_config(
 
 DEFAULT_MODEL_LABEL = "the default model (SmolLM2-135M-Instruct)"
 
-TENSOR_PARALLEL_SIZE = 1
-"""The server runs a model on one card (model.tensor_parallel_size is planned, DESIGN §3)."""
-
 
 def registry_config(config: Config, model_path: Path | None) -> CardConfig:
     """The registry's verdict for ``config`` serving the model folder ``model_path`` (None:
@@ -357,7 +354,7 @@ def registry_config(config: Config, model_path: Path | None) -> CardConfig:
     return card_config(
         read_config_json(model_path),
         model_label=DEFAULT_MODEL_LABEL if model_path is None else str(model_path),
-        tp=TENSOR_PARALLEL_SIZE,
+        tp=config.model.tensor_parallel_size,
         max_model_len=config.model.max_model_len,
         max_num_seqs=scheduler.max_num_seqs,
         max_batch_tkv_limit=scheduler.max_batch_tkv_limit,

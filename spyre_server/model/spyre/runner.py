@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from scheduler import DecodeBatch, DecodeEntry, PrefillChunk, PrefillCompute
-from spyre_server.model.runner import ModelRunner, ProgramShape, ProgramStats, query_heads
+from spyre_server.model.runner import LocalModelRunner, ProgramShape, ProgramStats, query_heads
 from spyre_server.model.spyre.compile import (
     GraphCacheCounts,
     compile_model,
@@ -51,7 +51,7 @@ WARMUP_PROMPT_LEN = 42
 ``_warmup_spyre_dynamic_size``): one block, one chunk, left-padded to the window."""
 
 
-class SpyreModelRunner(ModelRunner):
+class SpyreModelRunner(LocalModelRunner):
     prefill_compute = PrefillCompute.WHOLE_WINDOWS
     supports_prompt_logits = False
     """The card's prefill programs return the logits of the window's last block only."""

@@ -134,7 +134,11 @@ class AtenDecoder(Decoder[Project, ProjectQKV, Project, Project]):
                 self._attention,
             )
             out = layer.dense(attended.view(batch, seq, heads * head_dim))
+            if self._reduce is not None:
+                out = self._reduce(out)
             x = (out if residual is None else out * residual) + x
             out = layer.feed_forward(layer.ff_norm(x))
+            if self._reduce is not None:
+                out = self._reduce(out)
             x = (out if residual is None else out * residual) + x
         return x

@@ -31,6 +31,10 @@ from spyre_server.model.runner import KVCaches
 Project = Callable[[torch.Tensor], torch.Tensor]
 Module = torch.nn.Module
 
+SumAcrossRanks = Callable[[torch.Tensor], torch.Tensor]
+"""Tensor parallelism: replaces a contiguous tensor in place by its sum over the ranks and
+returns it (``parallel.group.RankGroup.sum_``)."""
+
 FAMILIES: tuple[type[Module], ...] = (LLaMA, Granite, Mistral, Qwen3)
 """The fms model classes whose forward the decoders reproduce (and their subclasses). Each runs
 the same pre-norm block: ``x + attention(norm(x))``, then ``x + feed_forward(norm(x))``, every
@@ -206,14 +210,24 @@ class Decoder(ABC, Generic[N, Q, P, F]):
     them, writing the same KV; None for ``last_n_tokens`` 0 (the KV only: a chunk that samples
     nothing, whose LM head would be wasted).
 
+    ``reduce``: on a rank of a tensor-parallel model (``parallel.shard``), the sum across the
+    ranks that every attention output projection and feed-forward down projection needs before
+    its residual add; None for a whole model.
+
     ``ValueError`` at construction when the decoder does not cover ``model`` (a
     ``cpu_inference_copy``), saying why."""
 
-    def __init__(self, model: Module, attention: PagedAttentionKernel | None = None) -> None:
+    def __init__(
+        self,
+        model: Module,
+        attention: PagedAttentionKernel | None = None,
+        reduce: SumAcrossRanks | None = None,
+    ) -> None:
         if (reason := self._unsupported_reason(model)) is not None:
             raise ValueError(f"{type(self).__name__} cannot run this model: {reason}")
         self._model = model
         self._attention = attention
+        self._reduce = reduce
         self._shape = StepShape.of(model)
         self._scalars = Scalars.of(model)
         self._layers = [self._layer(layer) for layer in model.base_model.layers]

@@ -26,6 +26,7 @@ from spyre_server.model.cpu.decoders.base import (
     Glu,
     Layer,
     NormWeight,
+    SumAcrossRanks,
     fused_glu,
     fused_qkv,
 )
@@ -99,8 +100,13 @@ class NativeDecoder(Decoder[NormWeight, int, int, Glu[int]]):
     _attention: NativePagedAttention
     _unsupported_reason = staticmethod(unsupported_reason)
 
-    def __init__(self, model: torch.nn.Module, attention: NativePagedAttention) -> None:
-        super().__init__(model, attention)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attention: NativePagedAttention,
+        reduce: SumAcrossRanks | None = None,
+    ) -> None:
+        super().__init__(model, attention, reduce)
         self._kernels: NativeKernels = model.base_model.dec_norm.native_kernels
         self._buffers: tuple[torch.Tensor, ...] = ()
 
@@ -159,16 +165,19 @@ class NativeDecoder(Decoder[NormWeight, int, int, Glu[int]]):
         )
         gate_up_ptr, activated_ptr = gate_up.data_ptr(), activated.data_ptr()
         residual = self._scalars.residual
+        reduce = self._reduce
 
         def add_projection(a: int, weight: int, width: int) -> None:
             """x += the projection of ``a`` (``width`` floats a row), as the family adds it."""
-            if residual is None:
+            if residual is None and reduce is None:
                 k.linear_add(a, weight, x_ptr, tokens, width, hidden_dim)
-            else:
-                # fms's ``out * residual + x``: the projection into the norm's buffer (free
-                # once the projection before has read it), scaled, then added: two roundings.
-                k.linear(a, weight, normed_ptr, tokens, width, hidden_dim)
-                x.add_(normed.mul_(residual))
+                return
+            # The projection into the norm's buffer (free once the projection before has read
+            # it), summed across the ranks, then fms's ``out * residual + x``: two roundings.
+            k.linear(a, weight, normed_ptr, tokens, width, hidden_dim)
+            if reduce is not None:
+                reduce(normed)
+            x.add_(normed if residual is None else normed.mul_(residual))
 
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
             attn_norm, ff_norm, glu = layer.attn_norm, layer.ff_norm, layer.feed_forward

@@ -25,6 +25,7 @@ from spyre_server.model.cpu.decoders.base import (
     Layer,
     NormWeight,
     Project,
+    SumAcrossRanks,
     bound_forward,
     fused_glu,
     fused_qkv,
@@ -63,9 +64,12 @@ class NativeBf16Decoder(Decoder[NormWeight, Project, Project, Glu[Project]]):
     _unsupported_reason = staticmethod(unsupported_reason)
 
     def __init__(
-        self, model: torch.nn.Module, attention: PagedAttentionKernel | None = None
+        self,
+        model: torch.nn.Module,
+        attention: PagedAttentionKernel | None = None,
+        reduce: SumAcrossRanks | None = None,
     ) -> None:
-        super().__init__(model, attention)
+        super().__init__(model, attention, reduce)
         dec_norm: NativeRMSNorm = model.base_model.dec_norm
         self._kernels: NativeKernels = dec_norm.native_kernels
 
@@ -123,6 +127,8 @@ class NativeBf16Decoder(Decoder[NormWeight, Project, Project, Glu[Project]]):
                 queries, key_cache, value_cache, plan, shape.scale_factor, self._attention
             )
             out = layer.dense(attended.view(tokens, heads * head_dim))
+            if self._reduce is not None:
+                self._reduce(out)
             if residual is not None:
                 out.mul_(residual)  # fms's ``out * residual + x``: rounded before the add
             ff_norm, glu = layer.ff_norm, layer.feed_forward
@@ -133,6 +139,8 @@ class NativeBf16Decoder(Decoder[NormWeight, Project, Project, Glu[Project]]):
             gate_up = glu.gate_up(normed)
             k.silu_mul_bf16(gate_up.data_ptr(), activated.data_ptr(), tokens, mlp_dim)
             out = glu.down(activated)
+            if self._reduce is not None:
+                self._reduce(out)
             if residual is not None:
                 out.mul_(residual)
             if i + 1 < len(self._layers):

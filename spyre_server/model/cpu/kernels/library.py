@@ -40,6 +40,7 @@ SOURCES = (
     KERNELS / "elementwise_f32.cpp",
     KERNELS / "elementwise_bf16.cpp",
     KERNELS / "attention_dot_bf16.cpp",
+    KERNELS / "rank_sync.cpp",
 )
 HEADERS = (
     KERNELS / "attention_common.h",
@@ -285,6 +286,12 @@ class NativeKernels:
     rope_store_bf16: Callable[..., None]
     """(qkv, ldq, cos, signed_sin, q_out, k_cache, v_cache, slots, T, H, KVH, D): a layer's
     RoPE and KV store from its fused QKV output; see ``kernels/elementwise_bf16.cpp``."""
+    rank_publish: Callable[[int, int], None]
+    """(flag, value): a tensor-parallel rank's flag in shared memory set to value once its
+    earlier stores are visible; see ``kernels/rank_sync.cpp``."""
+    rank_wait: Callable[[int, int, int, int, int], int]
+    """(flags, stride, count, value, max_spins) -> 1 once every flag is at least value, 0 after
+    max_spins rounds."""
 
     def __deepcopy__(self, memo: dict[int, object]) -> NativeKernels:
         return self  # functions of the one loaded library (ctypes objects cannot be copied)
@@ -330,6 +337,8 @@ _FUNCTIONS: tuple[tuple[str, tuple[type, ...], type | None, str], ...] = (
     ("spyre_rope_bf16", _ROPE, None, "rope_bf16"),
     ("spyre_add_rms_norm_bf16", (_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT), None, "add_rms_norm_bf16"),
     ("spyre_rope_store_bf16", (_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64), None, "rope_store_bf16"),
+    ("spyre_rank_publish", (_PTR, _I64), None, "rank_publish"),
+    ("spyre_rank_wait", (_PTR, _I64, _I64, _I64, _I64), _INT, "rank_wait"),
 )
 # fmt: on
 

@@ -268,7 +268,7 @@ def test_a_failed_compile_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(
         NativeKernelError,
         match=r"compiling the native kernels \(linear_f32\.cpp, linear_bf16\.cpp, attention\.cpp, "
-        r"elementwise_f32\.cpp, elementwise_bf16\.cpp, attention_dot_bf16\.cpp\).*failed.*onednn",
+        r"elementwise_f32\.cpp, elementwise_bf16\.cpp, attention_dot_bf16\.cpp, rank_sync\.cpp\).*failed.*onednn",
     ):
         build(tmp_path)
     assert not any(tmp_path.iterdir())

@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model split over ranks (processes) under one scheduler."""
