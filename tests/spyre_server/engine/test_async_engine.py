@@ -18,6 +18,7 @@ from scheduler import FinishReason
 from spyre_server.engine.async_engine import AsyncEngine, EngineDeadError
 from spyre_server.engine.core import LLMEngine, RequestDelta
 from spyre_server.entrypoints.llm import LLM
+from spyre_server.model.runner import FatalRunnerError
 from spyre_server.sample.sampler import SamplingParams
 from tests.spyre_server.conftest import assert_pool_clean
 from tests.spyre_server.step_gate import step_gate
@@ -331,6 +332,50 @@ def test_step_loop_death_fails_waiting_streams(
         assert last.finish_reason is FinishReason.ERROR
         assert last.error is not None
         assert "AssertionError" in last.error and "scheduler invariant broken" in last.error
+
+
+def test_a_fatal_runner_error_stops_the_engine_and_the_runner(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runner that can run no further step (a tensor-parallel rank died) ends the engine, not
+    only the step's requests: every stream gets the error, ``on_death`` runs once (the server
+    then exits) and the runner is closed (its ranks stopped)."""
+    engine = make_engine()
+    real_execute = engine.runner.execute
+    calls = {"execute": 0, "close": 0, "died": 0}
+
+    def dying_execute(*args: Any, **kwargs: Any) -> Any:
+        calls["execute"] += 1
+        if calls["execute"] == 4:
+            raise FatalRunnerError("rank 1 (pid 4242) ended with exit code -9")
+        return real_execute(*args, **kwargs)
+
+    def close() -> None:
+        calls["close"] += 1
+
+    monkeypatch.setattr(engine.runner, "execute", dying_execute)
+    monkeypatch.setattr(engine.runner, "close", close)
+
+    def died() -> None:
+        calls["died"] += 1
+
+    async def main() -> tuple[AsyncEngine, list[list[RequestDelta]]]:
+        async_engine = AsyncEngine(engine, on_death=died)
+        async_engine.start()
+        results = await asyncio.gather(
+            collect(async_engine, "a", list(b"one"), greedy(50)),
+            collect(async_engine, "b", list(b"two"), greedy(50)),
+        )
+        await asyncio.wait_for(async_engine.shutdown(), 5)
+        return async_engine, list(results)
+
+    async_engine, streams = run(main)
+    assert isinstance(async_engine.error, FatalRunnerError)
+    assert not async_engine.is_alive
+    assert calls == {"execute": 4, "close": 1, "died": 1}
+    for deltas in streams:
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+        assert deltas[-1].error is not None and "rank 1 (pid 4242)" in deltas[-1].error
 
 
 def test_step_loop_death_fails_requests_still_being_added(

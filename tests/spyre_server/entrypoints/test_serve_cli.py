@@ -66,6 +66,7 @@ def serve(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
         (["--max-model-len", "4096"], "model", "max_model_len", 4096),
         (["--served-model-name", "granite"], "model", "served_model_name", "granite"),
         (["--dtype", "bfloat16"], "model", "dtype", "bfloat16"),
+        (["--tensor-parallel-size", "4"], "model", "tensor_parallel_size", 4),
         (["--chat-template", "{{ messages }}"], "model", "chat_template", "{{ messages }}"),
         (["--chunk-size", "512"], "scheduler", "chunk_size", 512),
         (["--log-level", "WARNING"], "server", "log_level", "warning"),
@@ -95,7 +96,8 @@ def test_each_flag_sets_its_key(
 
 def test_every_flag_in_the_table_is_tested() -> None:
     tested = {"--model", "--host", "--port", "--api-key", "--max-model-len", "--served-model-name"}
-    tested |= {"--dtype", "--chat-template", "--chunk-size", "--log-level"}
+    tested |= {"--dtype", "--tensor-parallel-size", "--chat-template", "--chunk-size"}
+    tested |= {"--log-level"}
     tested |= {"--allow-unverified-config", "--graph-cache-dir", "--require-precompiled"}
     assert {flag.flag for flag in FLAGS} == tested
 
@@ -155,6 +157,11 @@ def test_the_model_argument_and_model_flag_must_agree(
         ),
         (["--log-level", "loud"], {}, "server.log_level (from --log-level): Input should be"),
         (["--dtype", "fp8"], {}, "model.dtype (from --dtype): Input should be"),
+        (
+            ["--tensor-parallel-size", "0"],
+            {},
+            "model.tensor_parallel_size (from --tensor-parallel-size): Input should be greater",
+        ),
         (
             [],
             {"SPYRE_SERVER_CACHE__NUM_BLOCKS": "1"},

@@ -269,6 +269,10 @@ def test_the_registry_is_consulted_with_sendnn_only(tmp_path: Path) -> None:
 
     assert verdict().problems  # 2048 x 8 on the card
     assert verdict(**{"model.max_model_len": 3072, "scheduler.max_num_seqs": 16}).problems == ()
+    # The tensor-parallel size is matched too: 32768 x 32 is known-good on 4 cards only.
+    four_cards = {"model.max_model_len": 32768, "scheduler.max_num_seqs": 32}
+    assert verdict(**four_cards, **{"model.tensor_parallel_size": 4}).problems == ()
+    assert "the nearest is" in verdict(**four_cards).problems[0]
     assert verdict(**{"model.compile_backend": "eager"}).problems == ()
     assert verdict(**{"model.compile_backend": "inductor"}).problems == ()
     assert verdict(**{"model.backend": "cpu"}).problems == ()
