@@ -16,7 +16,9 @@ server with ``cache.enable_prefix_caching: false`` give the same tokens as the f
 
 ``KNOWN`` lists what fails today (each a failure observed with this suite, the mismatch in the
 reason); the tests mark those checks ``xfail(strict=True)``, so fixing one makes the case XPASS,
-which fails the run until the entry is removed here.
+which fails the run until the entry is removed here. The flash path's bfloat16 re-runs are the
+exception (``strict=False``): its kernels are not row-invariant, so whether a cache hit changes a
+token depends on the CPU they run on.
 
 ``markdown_table()`` renders the "Supported models" table from this matrix.
 """
@@ -89,10 +91,14 @@ PATHS: dict[str, Path] = {
 
 @dataclass(frozen=True)
 class Known:
-    """A check that fails today: ``reason`` (observed) and the exception it fails with."""
+    """A check that fails today: ``reason`` (observed) and the exception it fails with.
+    ``strict``: it fails on every CPU (a fix makes it XPASS, which fails the run); False where
+    whether it fails depends on the CPU's kernels (a kernel that is not row-invariant may or
+    may not change a token: oneDNN and SDPA pick other code on AMX than on AVX2)."""
 
     reason: str
     raises: str = "AssertionError"
+    strict: bool = True
 
 
 @dataclass(frozen=True)
@@ -165,12 +171,13 @@ decoder cannot be forced by configuration there, nor fms's forward for these in 
 NOT_ROW_INVARIANT = (
     "the flash path's kernels are not row-invariant in bfloat16 (oneDNN's linear sums a one-row "
     "step in another order; SDPA's flash kernel splits a row's keys by the step's context "
-    "length), so a prefix-cache hit or caching off can change "
+    "length), so a prefix-cache hit or caching off can change (on some CPUs; observed on AVX2 "
+    "and AVX-512 without AMX) "
 )
 
 
 def _rerun(answer: str, *checks: Check) -> dict[Check, Known]:
-    return {c: Known(NOT_ROW_INVARIANT + answer) for c in checks}
+    return {c: Known(NOT_ROW_INVARIANT + answer, strict=False) for c in checks}
 
 
 KNOWN: dict[tuple[str, str, str], dict[Check, Known]] = {
