@@ -220,7 +220,9 @@ ATTENTION_KERNELS = [
         "flash",
         torch.bfloat16,
         id="flash",
-        marks=pytest.mark.xfail(strict=True, reason=FLASH_SPLIT),
+        # Not strict: whether the split changes a bit depends on the CPU's code for it (without
+        # a window it does not on an AMX Xeon).
+        marks=pytest.mark.xfail(strict=False, reason=FLASH_SPLIT),
     ),
 ]
 """The native kernel computes in float32 for either dtype and rounds its output once: its
