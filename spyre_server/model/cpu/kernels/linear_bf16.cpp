@@ -33,6 +33,11 @@
 // memory-bandwidth bound). Within a task the sums run over chunks of pairs, every row block per
 // chunk (the chunk of weights stays in cache for the other row blocks); the partial sums are
 // stored and reloaded exactly between chunks, so the bits equal one pass.
+//
+// A decode call reads its weights once, from memory: the first row block of each chunk asks for
+// the weights kStreamAheadBytes ahead of the pair it computes (software prefetch), which keeps
+// enough reads in flight for one thread's stream to run at the memory's speed where the
+// hardware prefetcher alone does not (bench/decode_bandwidth.py measures both).
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -48,6 +53,14 @@ constexpr int64_t kDecodeRows = 16;   // up to this many rows: one row chunk (we
 constexpr int64_t kRowChunk = 48;     // rows per task above that (a multiple of both row blocks)
 constexpr int64_t kDecodePairs = 128;   // pairs per chunk of the sums, decode: 32 KB of weights
 constexpr int64_t kPrefillPairs = 1024;  // ... and above kDecodeRows rows: 256 KB
+constexpr int64_t kStreamAheadBytes = 2048;  // a decode call's prefetch distance in its stream
+
+// Asks for the 256 bytes of pair weights `kStreamAheadBytes` after `wp` (a pair's start); past
+// the packed weight's end it asks for nothing that faults (a prefetch never does).
+inline void stream_ahead(const uint16_t* wp) {
+    const char* ahead = reinterpret_cast<const char*>(wp) + kStreamAheadBytes;
+    UNROLL for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+}
 
 constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush to zero, denormals are zero
 
@@ -71,9 +84,10 @@ struct Task {
 // columns of group j, added into acc [MR][2] (two 8-column halves).
 template <int MR>
 inline void group_avx2(const float* xf, int64_t ldxf, const uint16_t* w, int64_t j, int64_t p0,
-                       int64_t p1, __m256 (&acc)[MR][2]) {
+                       int64_t p1, bool stream, __m256 (&acc)[MR][2]) {
     const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int64_t p = p0; p < p1; p++) {
+        if (stream) stream_ahead(w + p * kPairValues);
         const uint16_t* wp = w + p * kPairValues + j * 32;
         const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp));
         const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + 16));
@@ -116,13 +130,13 @@ inline void finish8(__m256 acc, const uint16_t* bias, int64_t c0, int64_t cols, 
 // MR rows (from row r of the task) x the block's 64 columns, pairs [p0, p1).
 template <int MR>
 inline void rows_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t r, int64_t p0,
-                      int64_t p1, bool resume, bool finish, float* partial) {
+                      int64_t p1, bool resume, bool finish, bool stream, float* partial) {
     for (int64_t j = 0; j < kBlockCols / 16; j++) {
         __m256 acc[MR][2];
         UNROLL for (int i = 0; i < MR; i++) UNROLL for (int h = 0; h < 2; h++)
             acc[i][h] = resume ? _mm256_load_ps(partial + (r + i) * kBlockCols + j * 16 + h * 8)
                                : _mm256_setzero_ps();
-        group_avx2<MR>(xf + r * ldxf, ldxf, t.w, j, p0, p1, acc);
+        group_avx2<MR>(xf + r * ldxf, ldxf, t.w, j, p0, p1, stream && j == 0, acc);
         UNROLL for (int i = 0; i < MR; i++) UNROLL for (int h = 0; h < 2; h++) {
             if (finish)
                 finish8(acc[i][h], t.bias, j * 16 + h * 8, t.cols, t.y + (r + i) * t.N);
@@ -158,20 +172,22 @@ inline float* widen_rows(const uint16_t* x, int64_t M, int64_t K) {
 
 constexpr int kRowsAvx2 = 4;
 
-// A task's rows [0, rows) on AVX2: xf is the task's first row, widened.
+// A task's rows [0, rows) on AVX2: xf is the task's first row, widened. `stream`: a decode
+// call's (its first row block streams the weights ahead).
 inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows, int64_t chunk,
-                      float* partial) {
+                      bool stream, float* partial) {
     const int64_t P = pairs_of(t.K);
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
         int64_t r = 0;
         for (; r + kRowsAvx2 <= rows; r += kRowsAvx2)
-            rows_avx2<kRowsAvx2>(t, xf, ldxf, r, p0, p1, resume, finish, partial);
+            rows_avx2<kRowsAvx2>(t, xf, ldxf, r, p0, p1, resume, finish, stream && r == 0, partial);
+        const bool first = stream && r == 0;
         switch (rows - r) {
-            case 3: rows_avx2<3>(t, xf, ldxf, r, p0, p1, resume, finish, partial); break;
-            case 2: rows_avx2<2>(t, xf, ldxf, r, p0, p1, resume, finish, partial); break;
-            case 1: rows_avx2<1>(t, xf, ldxf, r, p0, p1, resume, finish, partial); break;
+            case 3: rows_avx2<3>(t, xf, ldxf, r, p0, p1, resume, finish, first, partial); break;
+            case 2: rows_avx2<2>(t, xf, ldxf, r, p0, p1, resume, finish, first, partial); break;
+            case 1: rows_avx2<1>(t, xf, ldxf, r, p0, p1, resume, finish, first, partial); break;
             default: break;
         }
     }
@@ -190,7 +206,7 @@ constexpr int kRowsDot = 6;  // 6 rows x 4 groups of 16 columns: 24 of the 32 re
 // alone (zero in the odd half), as the zero-padded weight does.
 template <int MR>
 DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool resume,
-                         bool finish, float* partial) {
+                         bool finish, bool stream, float* partial) {
     const int64_t full = t.K / 2;  // pairs with both values in x
     const uint16_t* x = t.x + r * t.K;
     __m512 acc[MR][4];
@@ -199,6 +215,7 @@ DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool 
     const int64_t end = p1 < full ? p1 : full;
     for (int64_t p = p0; p < end; p++) {
         const uint16_t* wp = t.w + p * kPairValues;
+        if (stream) stream_ahead(wp);
         __m512bh w[4];
         UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
         UNROLL for (int i = 0; i < MR; i++) {
@@ -239,19 +256,21 @@ DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool 
     }
 }
 
-DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, float* partial) {
+DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float* partial) {
     const int64_t P = pairs_of(t.K);
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
         int64_t r = 0;
-        for (; r + kRowsDot <= rows; r += kRowsDot) rows_dot<kRowsDot>(t, r, p0, p1, resume, finish, partial);
+        for (; r + kRowsDot <= rows; r += kRowsDot)
+            rows_dot<kRowsDot>(t, r, p0, p1, resume, finish, stream && r == 0, partial);
+        const bool first = stream && r == 0;
         switch (rows - r) {
-            case 5: rows_dot<5>(t, r, p0, p1, resume, finish, partial); break;
-            case 4: rows_dot<4>(t, r, p0, p1, resume, finish, partial); break;
-            case 3: rows_dot<3>(t, r, p0, p1, resume, finish, partial); break;
-            case 2: rows_dot<2>(t, r, p0, p1, resume, finish, partial); break;
-            case 1: rows_dot<1>(t, r, p0, p1, resume, finish, partial); break;
+            case 5: rows_dot<5>(t, r, p0, p1, resume, finish, first, partial); break;
+            case 4: rows_dot<4>(t, r, p0, p1, resume, finish, first, partial); break;
+            case 3: rows_dot<3>(t, r, p0, p1, resume, finish, first, partial); break;
+            case 2: rows_dot<2>(t, r, p0, p1, resume, finish, first, partial); break;
+            case 1: rows_dot<1>(t, r, p0, p1, resume, finish, first, partial); break;
             default: break;
         }
     }
@@ -286,8 +305,9 @@ int linear(bool dot, const uint16_t* x, const uint16_t* packed, const uint16_t* 
             return 0;
         }
     }
-    const int64_t row_chunk = M <= kDecodeRows ? M : kRowChunk;
-    const int64_t chunk = M <= kDecodeRows ? kDecodePairs : kPrefillPairs;
+    const bool decode = M <= kDecodeRows;
+    const int64_t row_chunk = decode ? M : kRowChunk;
+    const int64_t chunk = decode ? kDecodePairs : kPrefillPairs;
     const int64_t num_chunks = (M + row_chunk - 1) / row_chunk, blocks = blocks_of(N);
     const int64_t tasks = blocks * num_chunks, P = pairs_of(K);
     #pragma omp parallel
@@ -306,11 +326,11 @@ int linear(bool dot, const uint16_t* x, const uint16_t* packed, const uint16_t* 
                          N - c0 < kBlockCols ? N - c0 : kBlockCols};
 #ifdef SPYRE_LINEAR_BF16_DOT
             if (dot) {
-                task_dot(t, rows, chunk, partial);
+                task_dot(t, rows, chunk, decode, partial);
                 continue;
             }
 #endif
-            task_avx2(t, xf + r0 * ldxf, ldxf, rows, chunk, partial);
+            task_avx2(t, xf + r0 * ldxf, ldxf, rows, chunk, decode, partial);
         }
         _mm_setcsr(csr);
     }
