@@ -88,6 +88,13 @@ GRANITE_2B_SHAPES: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
 }
 """granite-3.x-2b-instruct's sizes (head_dim 64), tied embeddings, plain RoPE."""
+LLAMA_1B_SHAPES: dict[str, Any] = GRANITE_2B_SHAPES | {
+    "vocab_size": 49152,
+    "num_hidden_layers": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+}
+"""Llama-3.2-1B's sizes (hidden 2048, 16 layers, 32/8 heads of 64, intermediate 8192, tied
+embeddings) with the default tokenizer's vocabulary and plain RoPE: 2.15 GB in bfloat16."""
 RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # name: (transformers class, model_type, config fields)
     "granite": (
@@ -102,9 +109,10 @@ RANDOM_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "llama": ("LlamaForCausalLM", "llama", GRANITE_2B_SHAPES),
+    "llama1b": ("LlamaForCausalLM", "llama", LLAMA_1B_SHAPES),
 }
-"""The random-weight models ``--model`` builds: granite-3.x-2b's shapes and scalars, and a Llama of
-the same shapes (the scalars are Granite's only ops a Llama lacks)."""
+"""The random-weight models ``--model`` builds: granite-3.x-2b's shapes and scalars, a Llama of
+the same shapes (the scalars are Granite's only ops a Llama lacks), and Llama-3.2-1B's shapes."""
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -208,12 +216,14 @@ class Bench:
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------- decode
-    def decode_step_times(self, batch: int, steps: int) -> list[float]:
-        """``batch`` requests with the same DECODE_PROMPT_LEN-token prompt (they share its
+    def decode_step_times(
+        self, batch: int, steps: int, prompt_len: int = DECODE_PROMPT_LEN
+    ) -> list[float]:
+        """``batch`` requests with the same ``prompt_len``-token prompt (they share its
         blocks, so only the first prefill computes it), then ``steps`` timed decode steps with
         every request in the batch (schedule + forward + greedy sampling + update)."""
         sched = self.scheduler(256, max_num_seqs=batch)
-        prompt = tokens(DECODE_PROMPT_LEN, seed=7, vocab=self.vocab)
+        prompt = tokens(prompt_len, seed=7, vocab=self.vocab)
         for i in range(batch):  # interleaving admits one request per two steps
             sched.add_request(f"d{i}", prompt, 2 * batch + steps + 8)
         times = []
