@@ -16,6 +16,7 @@ Needs ``vllm-router`` (``pip install vllm-router==0.1.17``, in the dev extras).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -106,6 +108,8 @@ def run_routed(
     replicas: list[tuple[str, str, subprocess.Popen[bytes]]],
     name: str,
     bench_args: list[str],
+    router_args: list[str],
+    router_log: Path | None,
 ) -> dict[str, object]:
     port = free_port()
     cmd = [str(BIN / "vllm-router"), "--host", "127.0.0.1", "--port", str(port)]
@@ -114,14 +118,19 @@ def run_routed(
         for url, events, _ in replicas:
             cmd += ["--kv-event-source", f"{url}={events}"]
         cmd += ["--kv-event-block-size", "64", "--kv-event-model", name]
-    router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", router, 120)
-        time.sleep(1)  # the router's ZMQ subscribers join
-        return bench(f"http://127.0.0.1:{port}", bench_args)
-    finally:
-        router.terminate()
-        router.wait(30)
+    cmd += router_args
+    with contextlib.ExitStack() as stack:
+        sink: int | IO[bytes] = subprocess.DEVNULL
+        if router_log is not None:
+            sink = stack.enter_context(open(router_log.with_suffix(f".{policy}.log"), "wb"))
+        router = subprocess.Popen(cmd, stdout=sink, stderr=sink)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", router, 120)
+            time.sleep(1)  # the router's ZMQ subscribers join
+            return bench(f"http://127.0.0.1:{port}", bench_args)
+        finally:
+            router.terminate()
+            router.wait(30)
 
 
 def main() -> None:
@@ -130,6 +139,12 @@ def main() -> None:
     parser.add_argument("--model", help="model folder (default: the default model)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     parser.add_argument("--policies", nargs="*", default=list(POLICIES))
+    parser.add_argument(
+        "--router-arg", action="append", default=[], help="passed to vllm-router (repeatable)"
+    )
+    parser.add_argument(
+        "--router-log", type=Path, help="write each router's output to PATH.<policy>.log"
+    )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     bench_args = [a for a in args.bench_args if a != "--"]
@@ -146,7 +161,9 @@ def main() -> None:
             if workers is None:
                 results[label] = bench(replicas[0][0], bench_args)
             else:
-                results[label] = run_routed(label, workers, replicas, name, bench_args)
+                results[label] = run_routed(
+                    label, workers, replicas, name, bench_args, args.router_arg, args.router_log
+                )
             after = [cache_counters(url) for url, _, _ in replicas]
             results[label]["per_replica_queried_hit_tokens"] = [
                 [a[0] - b[0], a[1] - b[1]] for a, b in zip(after, before, strict=True)
