@@ -15,6 +15,12 @@ kernels and decoder) and alternates, in one process:
   theirs: roughly what it spends outside them (attention, norms, RoPE, the embedding, sampling,
   Python), within the two measurements' noise.
 
+With ``--fp8`` (bfloat16 only), each projection also gets an FP8 twin of its shape
+(``NativeFp8Linear``: random float8_e4m3fn weights, a scale per output), timed in the same rounds:
+per kind its time against the bfloat16 one, and the step's time with the twins in place of the
+projections (the step minus the bfloat16 projections plus the FP8 ones: a projection, until FP8
+checkpoints load).
+
 Run from the repository root (it builds the checkpoint with the conformance suite's builder)::
 
     .venv/bin/python -m bench.decode_bandwidth [--model llama1b] [--dtype bfloat16] [--rounds 3]
@@ -85,6 +91,22 @@ def projection_seconds(
     return seconds
 
 
+def fp8_twins(
+    found: list[tuple[str, torch.nn.Module, int]],
+) -> list[tuple[str, torch.nn.Module, int]]:
+    """An FP8 layer of each projection's shape on the same kernels (random weights, a scale per
+    output): (kind, module, bytes it reads)."""
+    from spyre_server.model.cpu.ops.native_linear import FP8_MAX, NativeFp8Linear
+
+    twins = []
+    for kind, module, _ in found:
+        weight = torch.randn(module.out_features, module.in_features)
+        scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        twin = NativeFp8Linear((weight / scale).to(torch.float8_e4m3fn), scale, module.kernels)
+        twins.append((kind, twin, twin.packed.numel()))
+    return twins
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(RANDOM_MODELS), default="llama1b")
@@ -95,6 +117,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--linear-kernel", default="auto")
+    parser.add_argument("--fp8", action="store_true", help="time FP8 twins of the projections")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers = args.layers or RANDOM_MODELS[args.model][2]["num_hidden_layers"]
@@ -109,6 +132,7 @@ def main() -> None:
         loaded = load_model(path, getattr(torch, args.dtype))
         bench = Bench(overrides, loaded, fms_forward=False, model=args.model)
     found = projections(bench.model)
+    twins = fp8_twins(found) if args.fp8 else []
     weight_bytes = sum(b for _, _, b in found)
     by_kind: dict[str, int] = defaultdict(int)
     for kind, _, nbytes in found:
@@ -121,12 +145,16 @@ def main() -> None:
     stream: list[float] = []
     steps: list[float] = []
     kinds: dict[str, list[float]] = defaultdict(list)
+    fp8_kinds: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.rounds):
         stream += streaming_gbps(data)
         steps += bench.decode_step_times(1, args.steps, args.context)
         for _ in range(3):
             for kind, seconds in projection_seconds(found, getattr(torch, args.dtype)).items():
                 kinds[kind].append(seconds)
+            if twins:
+                for kind, seconds in projection_seconds(twins, torch.bfloat16).items():
+                    fp8_kinds[kind].append(seconds)
     bound = statistics.median(stream)
     step = statistics.median(steps)
     print(
@@ -155,6 +183,42 @@ def main() -> None:
     )
     # Two medians of separate measurements: within their noise (a few ms) this can go negative.
     print(f"| step minus the projections alone | | {(step - total) * 1e3:.1f} | | |")
+    if twins:
+        print_fp8(kinds, fp8_kinds, twins, bound, step)
+
+
+def print_fp8(
+    kinds: dict[str, list[float]],
+    fp8_kinds: dict[str, list[float]],
+    twins: list[tuple[str, torch.nn.Module, int]],
+    bound: float,
+    step: float,
+) -> None:
+    fp8_bytes: dict[str, int] = defaultdict(int)
+    for kind, _, nbytes in twins:
+        fp8_bytes[kind] += nbytes
+    print(
+        "\n| kind | FP8 GB | bf16 ms | FP8 ms | FP8 / bf16 | FP8 GB/s | of the bound |"
+        "\n|---|---|---|---|---|---|---|"
+    )
+    bf16_total = fp8_total = 0.0
+    for kind, values in fp8_kinds.items():
+        bf16, fp8 = statistics.median(kinds[kind]), statistics.median(values)
+        bf16_total, fp8_total = bf16_total + bf16, fp8_total + fp8
+        rate = fp8_bytes[kind] / fp8 / 1e9
+        print(
+            f"| {kind} | {fp8_bytes[kind] / 1e9:.3f} | {bf16 * 1e3:.1f} | {fp8 * 1e3:.1f} | "
+            f"{fp8 / bf16:.2f} | {rate:.1f} | {rate / bound:.0%} |"
+        )
+    projected = step - bf16_total + fp8_total
+    print(
+        f"| all projections | {sum(fp8_bytes.values()) / 1e9:.3f} | {bf16_total * 1e3:.1f} | "
+        f"{fp8_total * 1e3:.1f} | {fp8_total / bf16_total:.2f} | | |"
+    )
+    print(
+        f"\nprojected FP8 decode step (the step with the FP8 twins' times): "
+        f"{projected * 1e3:.1f} ms = {projected / step:.2f}x the bfloat16 step"
+    )
 
 
 if __name__ == "__main__":

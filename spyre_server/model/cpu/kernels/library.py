@@ -241,6 +241,17 @@ class NativeKernels:
     """(x, packed, bias or None, out, M, K, N) -> 1 where it ran on AVX512-BF16, else 0 (the same
     bits), -1 where it found no memory: out [M, N] = x [M, K] @ weight.T (+ bias), bfloat16,
     contiguous; each result's arithmetic fixed whatever M (``kernels/linear_bf16.cpp``)."""
+    linear_fp8_packed_numel: Callable[[int, int], int]
+    """(N, K) -> bytes of the packed form of an [N, K] float8_e4m3fn weight (its scales: one
+    float32 per column of 64-column blocks, ``ceil(N / 64) * 64``)."""
+    linear_fp8_pack: Callable[[int, int, int, int, int, int, int], int]
+    """(weight, scale, num_scales, packed, packed_scale, N, K) -> how many weights are NaN (the
+    packing is unusable unless 0): packs a contiguous float8_e4m3fn [N, K] weight and its N (or
+    1) float32 scales (64-byte-aligned ``packed``)."""
+    linear_fp8: Callable[[int, int, int, int | None, int, int, int, int], int]
+    """(x, packed, packed_scale, bias or None, out, M, K, N) -> as ``linear_bf16`` on the FP8
+    values (exact in bfloat16), with each float32 sum times its column's scale before the bias:
+    out = bf16(sum * scale[n] + bias[n]) (``kernels/linear_bf16.cpp``)."""
     linear_bf16_dot: bool
     """Whether ``linear_bf16`` computes with AVX512-BF16 dot products (``avx512`` and the CPU
     has AVX512-BF16), else with AVX2 and FMA."""
@@ -322,6 +333,9 @@ _FUNCTIONS: tuple[tuple[str, tuple[type, ...], type | None, str], ...] = (
     ("spyre_linear_bf16_packed_numel", (_I64, _I64), _I64, "linear_bf16_packed_numel"),
     ("spyre_linear_bf16_pack", (_PTR, _PTR, _I64, _I64), None, "linear_bf16_pack"),
     ("spyre_linear_bf16", (_Width, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_bf16"),
+    ("spyre_linear_fp8_packed_numel", (_I64, _I64), _I64, "linear_fp8_packed_numel"),
+    ("spyre_linear_fp8_pack", (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64), _I64, "linear_fp8_pack"),
+    ("spyre_linear_fp8", (_Width, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_fp8"),
     ("spyre_paged_attention_f32_scratch_numel", _SIZES, _I64, "paged_attention_scratch_numel"),
     ("spyre_paged_attention_f32", (_Width, *_ATTENTION), _INT, "paged_attention"),
     ("spyre_paged_attention_bf16", (_Width, *_ATTENTION), _INT, "paged_attention_bf16"),

@@ -38,6 +38,22 @@
 // the weights kStreamAheadBytes ahead of the pair it computes (software prefetch), which keeps
 // enough reads in flight for one thread's stream to run at the memory's speed where the
 // hardware prefetcher alone does not (bench/decode_bandwidth.py measures both).
+//
+// FP8 weights (float8_e4m3fn with a float32 scale per output column, the compressed-tensors
+// checkpoints' form): packed in the same layout with one byte a value (128 bytes a pair of a
+// block), then a byte per pair saying whether one of its values has exponent 0 (a zero or a
+// subnormal). Every float8_e4m3fn value is exactly a bfloat16 value, so the kernel converts the
+// weights (no rounding) and runs the bfloat16 arithmetic on them: a task of up to 6 rows (one row
+// block; a decode step) as it reads each pair, more rows a chunk of pairs at a time into the
+// thread's scratch, which every row block then reads. A pair without exponent-0 values takes a
+// shorter conversion (sign-extend, shift, mask, rebias). The AVX2 code converts through a table.
+// The column's scale multiplies the float32 sum at the end:
+//     y[m][n] = bf16(acc * scale[n] + bias[n])
+// with acc the sum above over the FP8 values, each operation rounded to nearest in float32 with
+// denormals flushed. HF transformers (compressed-tensors) instead rounds each weight times its
+// scale to bfloat16 and sums those: the two are within the bound above of the exact sum of the
+// dequantized weights, plus HF's 2^-9 relative rounding of each weight. A decode step reads one
+// byte a weight instead of two.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -76,7 +92,49 @@ struct Task {
     uint16_t* y;         // its first row's first column of the block
     int64_t N;           // y's row stride
     int64_t cols;        // columns of the block that exist (64, or fewer in the last block)
+    const float* scale;  // FP8 weights: its block's 64 column scales (the sums times them); else nullptr
+    const uint8_t* w8;   // FP8 weights: its block's FP8 pairs (w: their converted scratch); else nullptr
+    const uint8_t* zero_exponent;  // FP8 weights: per pair of the block, whether a value has exponent 0
 };
+
+// A block's FP8 weights: what a task converts, chunk by chunk, before it computes.
+struct Fp8Block {
+    const uint8_t* w;    // its pairs, one byte a value, in the packed layout
+    const uint8_t* zero_exponent;  // per pair: 1 where a value has exponent 0 (zero, subnormal)
+    uint16_t* scratch;   // the thread's bfloat16 pairs of the block (the chunk's part written)
+};
+
+constexpr int64_t kFp8PairBytes = kPairValues;  // one byte a value
+
+// bfloat16 bits of a finite float8_e4m3fn value (exact: 4 exponent and 3 mantissa bits fit).
+constexpr uint16_t fp8_bf16_bits(uint8_t b) {
+    const uint16_t sign = static_cast<uint16_t>((b & 0x80u) << 8);
+    const uint16_t magnitude = b & 0x7Fu;
+    if (magnitude >= 8) return sign | static_cast<uint16_t>((magnitude << 4) + (120u << 7));
+    // A subnormal m * 2^-9 is normal in bfloat16: m = 2^e' * 1.f with e' = floor(log2 m).
+    if (magnitude == 0) return sign;
+    const int top = magnitude >= 4 ? 2 : magnitude >= 2 ? 1 : 0;
+    const uint16_t fraction = static_cast<uint16_t>(((magnitude << (7 - top)) & 0x7Fu));
+    return sign | static_cast<uint16_t>(((127 - 9 + top) << 7) | fraction);
+}
+
+struct Fp8Table {
+    uint16_t bits[256];
+    constexpr Fp8Table() : bits() {
+        for (int b = 0; b < 256; b++) bits[b] = fp8_bf16_bits(static_cast<uint8_t>(b));
+    }
+};
+constexpr Fp8Table kFp8 {};
+
+// Pairs [p0, p1) of a block's FP8 weights into its bfloat16 scratch (any x86-64 code).
+inline void convert_fp8(const Fp8Block& f, int64_t p0, int64_t p1, bool stream) {
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t* src = f.w + p * kFp8PairBytes;
+        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(src));
+        uint16_t* dst = f.scratch + p * kPairValues;
+        for (int64_t v = 0; v < kPairValues; v++) dst[v] = kFp8.bits[src[v]];
+    }
+}
 
 // ---------------------------------------------------------------- AVX2: bfloat16 widened to FMA
 
@@ -105,7 +163,9 @@ inline void group_avx2(const float* xf, int64_t ldxf, const uint16_t* w, int64_t
 }
 
 // y = bf16(acc + bias) for 8 columns from c0 (of which `cols - c0` exist, capped at 8).
-inline void finish8(__m256 acc, const uint16_t* bias, int64_t c0, int64_t cols, uint16_t* y) {
+inline void finish8(__m256 acc, const float* scale, const uint16_t* bias, int64_t c0, int64_t cols,
+                    uint16_t* y) {
+    if (scale != nullptr) acc = _mm256_mul_ps(acc, _mm256_loadu_ps(scale + c0));
     if (bias != nullptr) {
         alignas(32) uint16_t b[8] = {};
         for (int64_t c = 0; c < 8 && c0 + c < cols; c++) b[c] = bias[c0 + c];
@@ -139,7 +199,7 @@ inline void rows_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t r, i
         group_avx2<MR>(xf + r * ldxf, ldxf, t.w, j, p0, p1, stream && j == 0, acc);
         UNROLL for (int i = 0; i < MR; i++) UNROLL for (int h = 0; h < 2; h++) {
             if (finish)
-                finish8(acc[i][h], t.bias, j * 16 + h * 8, t.cols, t.y + (r + i) * t.N);
+                finish8(acc[i][h], t.scale, t.bias, j * 16 + h * 8, t.cols, t.y + (r + i) * t.N);
             else
                 _mm256_store_ps(partial + (r + i) * kBlockCols + j * 16 + h * 8, acc[i][h]);
         }
@@ -175,15 +235,17 @@ constexpr int kRowsAvx2 = 4;
 // A task's rows [0, rows) on AVX2: xf is the task's first row, widened. `stream`: a decode
 // call's (its first row block streams the weights ahead).
 inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows, int64_t chunk,
-                      bool stream, float* partial) {
+                      bool stream, float* partial, const Fp8Block* fp8) {
     const int64_t P = pairs_of(t.K);
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
+        if (fp8 != nullptr) convert_fp8(*fp8, p0, p1, stream);
         int64_t r = 0;
+        const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
         for (; r + kRowsAvx2 <= rows; r += kRowsAvx2)
-            rows_avx2<kRowsAvx2>(t, xf, ldxf, r, p0, p1, resume, finish, stream && r == 0, partial);
-        const bool first = stream && r == 0;
+            rows_avx2<kRowsAvx2>(t, xf, ldxf, r, p0, p1, resume, finish, streams && r == 0, partial);
+        const bool first = streams && r == 0;
         switch (rows - r) {
             case 3: rows_avx2<3>(t, xf, ldxf, r, p0, p1, resume, finish, first, partial); break;
             case 2: rows_avx2<2>(t, xf, ldxf, r, p0, p1, resume, finish, first, partial); break;
@@ -201,23 +263,99 @@ inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows
 
 constexpr int kRowsDot = 6;  // 6 rows x 4 groups of 16 columns: 24 of the 32 registers
 
+// The conversion of FP8 pairs to bfloat16 (convert_fp8's bits) 32 values at a time: each byte
+// widened to a 16-bit lane, a normal value's exponent rebiased in place, a subnormal's
+// (exponent 0) bits taken from a table, the sign put back.
+struct Fp8ToBf16 {
+    __m512i subnormals, magnitude_bits, rebias, exponent, sign, sign_and_magnitude;
+
+    DOT Fp8ToBf16() {
+        alignas(64) uint16_t small[32] = {};
+        for (int m = 0; m < 8; m++) small[m] = kFp8.bits[m];
+        subnormals = _mm512_load_si512(small);
+        magnitude_bits = _mm512_set1_epi16(0x7F0);
+        rebias = _mm512_set1_epi16(120 << 7);
+        exponent = _mm512_set1_epi16(0x78);
+        sign = _mm512_set1_epi16(static_cast<short>(0x8000));
+        sign_and_magnitude = _mm512_set1_epi16(static_cast<short>(0x87F0));
+    }
+
+    // Pair p of a block's FP8 weights: 4 groups, the fast conversion unless a value of the pair
+    // has exponent 0 (rare in a trained model's weights; padding is zero).
+    DOT inline void pair(const uint8_t* w8, const uint8_t* zero_exponent, int64_t p, __m512i (&w)[4]) const {
+        const uint8_t* src = w8 + p * kFp8PairBytes;
+        if (__builtin_expect(zero_exponent[p] != 0, 0)) {
+            UNROLL for (int j = 0; j < 4; j++) w[j] = (*this)(src + 32 * j);
+        } else {
+            UNROLL for (int j = 0; j < 4; j++) w[j] = normal(src + 32 * j);
+        }
+    }
+
+    // 16 columns' pairs (32 bytes) as vdpbf16ps takes them, none with exponent 0: each byte
+    // sign-extended to a 16-bit lane, shifted so that its sign is the lane's and its exponent and
+    // mantissa bfloat16's, the exponent rebiased.
+    DOT inline __m512i normal(const uint8_t* src) const {
+        const __m512i b = _mm512_cvtepi8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(src)));
+        return _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), sign_and_magnitude), rebias);
+    }
+
+    // 16 columns' pairs (32 bytes), any values.
+    DOT inline __m512i operator()(const uint8_t* src) const {
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(src)));
+        const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), magnitude_bits), rebias);
+        // Exponent 0: the table's entry (permutexvar reads the low 5 bits: the mantissa here).
+        const __m512i value = _mm512_mask_permutexvar_epi16(normal, _mm512_testn_epi16_mask(b, exponent), b, subnormals);
+        // Bit by bit, sign ? b << 8 : value: the sign from the byte, the rest from value.
+        return _mm512_ternarylogic_epi32(sign, _mm512_slli_epi16(b, 8), value, 0xCA);
+    }
+};
+
+// Pairs [p0, p1) of a block's FP8 weights into its bfloat16 scratch (convert_fp8, vectorized).
+DOT void convert_fp8_dot(const Fp8Block& f, int64_t p0, int64_t p1, bool stream) {
+    const Fp8ToBf16 convert;
+    for (int64_t p = p0; p < p1; p++) {
+        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(f.w + p * kFp8PairBytes));
+        __m512i w[4];
+        convert.pair(f.w, f.zero_exponent, p, w);
+        uint16_t* dst = f.scratch + p * kPairValues;
+        UNROLL for (int j = 0; j < 4; j++) _mm512_store_si512(dst + 32 * j, w[j]);
+    }
+}
+
+// The block's 4 groups of pair p: from the bfloat16 weights, or converted from the FP8 ones
+// (FP8: t.w8 read; the weights are used by one row block only, so never stored).
+template <bool FP8>
+DOT inline void pair_weights(const Task& t, int64_t p, bool stream, const Fp8ToBf16& convert,
+                             __m512bh (&w)[4]) {
+    if (FP8) {
+        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(t.w8 + p * kFp8PairBytes));
+        __m512i converted[4];
+        convert.pair(t.w8, t.zero_exponent, p, converted);
+        UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)converted[j];
+        return;
+    }
+    const uint16_t* wp = t.w + p * kPairValues;
+    if (stream) stream_ahead(wp);
+    UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
+}
+
 // MR rows from row r of the task x the block's 64 columns, pairs [p0, p1): the x pair of row i
 // broadcast to every lane, one vdpbf16ps per group. An odd K's last pair takes x's last value
-// alone (zero in the odd half), as the zero-padded weight does.
-template <int MR>
+// alone (zero in the odd half), as the zero-padded weight does. FP8: the weights converted from
+// t.w8 as they are read.
+template <int MR, bool FP8 = false>
 DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool resume,
                          bool finish, bool stream, float* partial) {
     const int64_t full = t.K / 2;  // pairs with both values in x
     const uint16_t* x = t.x + r * t.K;
+    const Fp8ToBf16 convert;
     __m512 acc[MR][4];
     UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < 4; j++)
         acc[i][j] = resume ? _mm512_load_ps(partial + (r + i) * kBlockCols + j * 16) : _mm512_setzero_ps();
     const int64_t end = p1 < full ? p1 : full;
     for (int64_t p = p0; p < end; p++) {
-        const uint16_t* wp = t.w + p * kPairValues;
-        if (stream) stream_ahead(wp);
         __m512bh w[4];
-        UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
+        pair_weights<FP8>(t, p, stream, convert, w);
         UNROLL for (int i = 0; i < MR; i++) {
             int32_t pair;
             __builtin_memcpy(&pair, x + i * t.K + 2 * p, 4);
@@ -226,9 +364,8 @@ DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool 
         }
     }
     if (p1 > full && full >= p0) {  // an odd K's last pair, in this chunk
-        const uint16_t* wp = t.w + full * kPairValues;
         __m512bh w[4];
-        UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
+        pair_weights<FP8>(t, full, false, convert, w);
         UNROLL for (int i = 0; i < MR; i++) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[i * t.K + 2 * full]);
             UNROLL for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
@@ -243,6 +380,7 @@ DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool 
         if (c0 >= t.cols) continue;
         const __mmask16 valid = t.cols - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (t.cols - c0)) - 1);
         __m512 v = acc[i][j];
+        if (t.scale != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(t.scale + c0));
         if (t.bias != nullptr) {
             const __m256i b = _mm256_maskz_loadu_epi16(valid, t.bias + c0);
             v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
@@ -256,15 +394,31 @@ DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool 
     }
 }
 
-DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float* partial) {
+DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float* partial,
+                  const Fp8Block* fp8) {
     const int64_t P = pairs_of(t.K);
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
+        if (fp8 != nullptr && rows <= kRowsDot) {  // one row block: converted as it reads
+            const bool s = stream;
+            switch (rows) {
+                case 6: rows_dot<6, true>(t, 0, p0, p1, resume, finish, s, partial); break;
+                case 5: rows_dot<5, true>(t, 0, p0, p1, resume, finish, s, partial); break;
+                case 4: rows_dot<4, true>(t, 0, p0, p1, resume, finish, s, partial); break;
+                case 3: rows_dot<3, true>(t, 0, p0, p1, resume, finish, s, partial); break;
+                case 2: rows_dot<2, true>(t, 0, p0, p1, resume, finish, s, partial); break;
+                case 1: rows_dot<1, true>(t, 0, p0, p1, resume, finish, s, partial); break;
+                default: break;
+            }
+            continue;
+        }
+        if (fp8 != nullptr) convert_fp8_dot(*fp8, p0, p1, stream);
+        const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
         int64_t r = 0;
         for (; r + kRowsDot <= rows; r += kRowsDot)
-            rows_dot<kRowsDot>(t, r, p0, p1, resume, finish, stream && r == 0, partial);
-        const bool first = stream && r == 0;
+            rows_dot<kRowsDot>(t, r, p0, p1, resume, finish, streams && r == 0, partial);
+        const bool first = streams && r == 0;
         switch (rows - r) {
             case 5: rows_dot<5>(t, r, p0, p1, resume, finish, first, partial); break;
             case 4: rows_dot<4>(t, r, p0, p1, resume, finish, first, partial); break;
@@ -290,9 +444,30 @@ inline bool dot_path(int avx512) {
 #endif
 }
 
+// The calling thread's bfloat16 scratch for one block's pairs (kept and grown); nullptr
+// without memory.
+inline uint16_t* fp8_scratch(int64_t P) {
+    thread_local uint16_t* buffer = nullptr;
+    thread_local int64_t capacity = 0;
+    if (P > capacity) {
+        free(buffer);
+        buffer = static_cast<uint16_t*>(aligned_alloc(64, P * kPairValues * 2));
+        capacity = buffer == nullptr ? 0 : P;
+    }
+    return buffer;
+}
+
+// The weights a call reads: bfloat16 pairs, or FP8 pairs and their column scales.
+struct Weights {
+    const uint16_t* bf16;  // nullptr for FP8
+    const uint8_t* fp8;
+    const float* scale;
+};
+
 // Every task of a call: one contiguous range of the column-block-major tasks per thread.
-// Returns 1 (AVX512-BF16) or 0 (AVX2), or -1 where the AVX2 code found no memory for one row.
-int linear(bool dot, const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
+// Returns 1 (AVX512-BF16) or 0 (AVX2), or -1 where it found no memory for one row (AVX2) or for
+// one block's converted FP8 weights.
+int linear(bool dot, const uint16_t* x, const Weights& weights, const uint16_t* bias, uint16_t* y,
            int64_t M, int64_t K, int64_t N) {
     const float* xf = nullptr;
     const int64_t ldxf = 2 * pairs_of(K);
@@ -301,7 +476,7 @@ int linear(bool dot, const uint16_t* x, const uint16_t* packed, const uint16_t* 
         if (xf == nullptr) {  // no memory for the widened rows: the same sums a row at a time
             if (M == 1) return -1;
             for (int64_t m = 0; m < M; m++)
-                if (linear(false, x + m * K, packed, bias, y + m * N, 1, K, N) < 0) return -1;
+                if (linear(false, x + m * K, weights, bias, y + m * N, 1, K, N) < 0) return -1;
             return 0;
         }
     }
@@ -310,30 +485,39 @@ int linear(bool dot, const uint16_t* x, const uint16_t* packed, const uint16_t* 
     const int64_t chunk = decode ? kDecodePairs : kPrefillPairs;
     const int64_t num_chunks = (M + row_chunk - 1) / row_chunk, blocks = blocks_of(N);
     const int64_t tasks = blocks * num_chunks, P = pairs_of(K);
-    #pragma omp parallel
+    bool no_memory = false;
+    #pragma omp parallel reduction(|| : no_memory)
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | kFlushDenormals);
         alignas(64) float partial[kRowChunk * kBlockCols];
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
-        for (int64_t task = first; task < last; task++) {
+        uint16_t* scratch = weights.fp8 != nullptr && first < last ? fp8_scratch(P) : nullptr;
+        no_memory = weights.fp8 != nullptr && first < last && scratch == nullptr;
+        for (int64_t task = first; task < last && !no_memory; task++) {
             const int64_t b = task / num_chunks, r0 = task % num_chunks * row_chunk;
             const int64_t rows = M - r0 < row_chunk ? M - r0 : row_chunk;
             const int64_t c0 = b * kBlockCols;
-            const Task t{x + r0 * K, K, packed + b * P * kPairValues,
+            const uint8_t* zero_exponent = weights.fp8 == nullptr ? nullptr : weights.fp8 + blocks * P * kFp8PairBytes + b * P;
+            const Fp8Block block{weights.fp8 + b * P * kFp8PairBytes, zero_exponent, scratch};
+            const Fp8Block* fp8 = weights.fp8 != nullptr ? &block : nullptr;
+            const Task t{x + r0 * K, K, fp8 != nullptr ? scratch : weights.bf16 + b * P * kPairValues,
                          bias == nullptr ? nullptr : bias + c0, y + r0 * N + c0, N,
-                         N - c0 < kBlockCols ? N - c0 : kBlockCols};
+                         N - c0 < kBlockCols ? N - c0 : kBlockCols,
+                         fp8 != nullptr ? weights.scale + c0 : nullptr, fp8 != nullptr ? block.w : nullptr,
+                         zero_exponent};
 #ifdef SPYRE_LINEAR_BF16_DOT
             if (dot) {
-                task_dot(t, rows, chunk, decode, partial);
+                task_dot(t, rows, chunk, decode, partial, fp8);
                 continue;
             }
 #endif
-            task_avx2(t, xf + r0 * ldxf, ldxf, rows, chunk, decode, partial);
+            task_avx2(t, xf + r0 * ldxf, ldxf, rows, chunk, decode, partial, fp8);
         }
         _mm_setcsr(csr);
     }
+    if (no_memory) return -1;
     return dot ? 1 : 0;
 }
 
@@ -370,7 +554,52 @@ void spyre_linear_bf16_pack(const uint16_t* w, uint16_t* packed, int64_t N, int6
 // code cannot allocate its float32 copy of one row of x.
 int spyre_linear_bf16(int avx512, const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
                       uint16_t* y, int64_t M, int64_t K, int64_t N) {
-    return linear(dot_path(avx512), x, packed, bias, y, M, K, N);
+    return linear(dot_path(avx512), x, Weights{packed, nullptr, nullptr}, bias, y, M, K, N);
+}
+
+// Bytes of the packed form of an [N][K] FP8 weight (its pairs, then a byte per pair: whether a
+// value has exponent 0); its scales take blocks_of(N) * 64 floats.
+int64_t spyre_linear_fp8_packed_numel(int64_t N, int64_t K) {
+    return blocks_of(N) * pairs_of(K) * (kFp8PairBytes + 1);
+}
+
+// w: [N][K] row-major float8_e4m3fn; scale: N float32 values, or 1 (one for every column);
+// packed: spyre_linear_fp8_packed_numel(N, K) bytes, 64-byte aligned; packed_scale:
+// blocks_of(N) * 64 floats (zero past N). Returns how many values of w are NaN (0x7F, 0xFF),
+// which the kernel cannot compute (the packed weight is unusable unless 0).
+int64_t spyre_linear_fp8_pack(const uint8_t* w, const float* scale, int64_t num_scales,
+                              uint8_t* packed, float* packed_scale, int64_t N, int64_t K) {
+    const int64_t P = pairs_of(K), blocks = blocks_of(N);
+    int64_t nan = 0;
+    #pragma omp parallel for schedule(static) reduction(+ : nan)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t c = 0; c < kBlockCols; c++) {
+            const int64_t n = b * kBlockCols + c;
+            packed_scale[n] = n < N ? scale[num_scales == 1 ? 0 : n] : 0.0f;
+        }
+        for (int64_t p = 0; p < P; p++) {
+            uint8_t zero_exponent = 0;
+            for (int64_t c = 0; c < kBlockCols; c++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t n = b * kBlockCols + c, k = 2 * p + e;
+                    const uint8_t v = n < N && k < K ? w[n * K + k] : 0;
+                    nan += (v & 0x7F) == 0x7F;
+                    zero_exponent |= (v & 0x78) == 0;
+                    packed[(b * P + p) * kFp8PairBytes + 2 * c + e] = v;
+                }
+            packed[blocks * P * kFp8PairBytes + b * P + p] = zero_exponent;
+        }
+    }
+    return nan;
+}
+
+// spyre_linear_bf16 with FP8 weights (packed by spyre_linear_fp8_pack) and the sums times the
+// column scales before the bias: y = bf16(acc * scale[n] + bias[n]), acc as spyre_linear_bf16
+// sums the FP8 values (exact in bfloat16). Returns 1, 0, or -1 (no memory for a thread's
+// converted block or the AVX2 code's row).
+int spyre_linear_fp8(int avx512, const uint16_t* x, const uint8_t* packed, const float* scale,
+                     const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t N) {
+    return linear(dot_path(avx512), x, Weights{nullptr, packed, scale}, bias, y, M, K, N);
 }
 
 }  // extern "C"

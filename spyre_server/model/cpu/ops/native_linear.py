@@ -140,6 +140,110 @@ class NativeBf16Linear(torch.nn.Module):
         )
 
 
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn value."""
+
+
+def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to float8_e4m3fn steps of ``scale`` (a static per-tensor activation scale,
+    shape ``[1]`` as checkpoints store it: a float32 scale makes the division float32), in
+    ``scale``'s dtype: compressed-tensors' quantize-dequantize, op for op, as HF transformers runs
+    it before an FP8 checkpoint's linear layers."""
+    scaled = (x / scale).clamp(-FP8_MAX, FP8_MAX)
+    return scaled.to(torch.float8_e4m3fn).to(scaled.dtype).to(scale.dtype) * scale
+
+
+class NativeFp8Linear(torch.nn.Module):
+    """A compressed-tensors FP8 linear layer on ``kernels/linear_bf16.cpp``: the float8_e4m3fn
+    weight stays FP8 in memory (packed once, one byte a value) with its float32 scale per output
+    (or one for all). The kernel sums the FP8 values (each exact in bfloat16) as
+    ``NativeBf16Linear`` sums its weights, then multiplies the float32 sum by the column's scale
+    before the bias: within ``NativeBf16Linear``'s bound of the exact product with the
+    dequantized weights. With a static ``input_scale`` the input is first rounded to its FP8
+    steps (``fake_quantize_fp8``), as HF transformers does."""
+
+    packed: torch.Tensor
+    packed_scale: torch.Tensor
+    kernels: NativeKernels
+    _linear: Callable[[int, int, int, int | None, int, int, int, int], int]
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        kernels: NativeKernels,
+        *,
+        bias: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+            raise ValueError(
+                f"NativeFp8Linear takes a 2-D float8_e4m3fn weight, not {weight.dtype}"
+            )
+        self.out_features, self.in_features = weight.shape
+        scale = weight_scale.detach().float().reshape(-1).contiguous()
+        if scale.numel() not in (1, self.out_features):
+            raise ValueError(
+                f"an FP8 weight of {self.out_features} outputs takes 1 or {self.out_features} "
+                f"scales, not {tuple(weight_scale.shape)}"
+            )
+        if not bool(torch.isfinite(scale).all()):
+            raise ValueError("an FP8 weight scale is not finite")
+        weight = weight.detach().contiguous()
+        packed = torch.empty(
+            kernels.linear_fp8_packed_numel(self.out_features, self.in_features), dtype=torch.uint8
+        )
+        packed_scale = torch.empty(-(-self.out_features // 64) * 64)
+        assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
+        nan = kernels.linear_fp8_pack(
+            weight.data_ptr(),
+            scale.data_ptr(),
+            scale.numel(),
+            packed.data_ptr(),
+            packed_scale.data_ptr(),
+            self.out_features,
+            self.in_features,
+        )
+        if nan:
+            raise ValueError(f"an FP8 weight holds {nan} NaN values")
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("packed_scale", packed_scale, persistent=False)
+        self.bias = None if bias is None else bias.detach().bfloat16().contiguous()
+        self.input_scale = None if input_scale is None else input_scale.detach().reshape(1)
+        self.kernels = kernels
+        self._linear = kernels.linear_fp8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"NativeFp8Linear computes in bfloat16; got {x.dtype} input")
+        if self.input_scale is not None:
+            x = fake_quantize_fp8(x, self.input_scale).bfloat16()
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if rows.shape[0]:
+            status = self._linear(
+                rows.data_ptr(),
+                self.packed.data_ptr(),
+                self.packed_scale.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(),
+                out.data_ptr(),
+                rows.shape[0],
+                self.in_features,
+                self.out_features,
+            )
+            if status < 0:
+                raise MemoryError("the FP8 linear kernel found no memory for its scratch")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias="
+            f"{self.bias is not None}, static input scale={self.input_scale is not None}, "
+            "native fp8 weights"
+        )
+
+
 def use_native_linears(model: torch.nn.Module, kernels: NativeKernels) -> int:
     """Replace every plain linear layer of ``model`` (in place) by a NativeLinear (float32
     weights) or a NativeBf16Linear (bfloat16 weights); returns how many. Raises ValueError for

@@ -71,15 +71,22 @@ def bf16_linear(
     return linear
 
 
-def contract(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """The kernel's arithmetic, step by step in float32 (see the module docstring)."""
-    xf, wf = x.float(), linear.weight.detach().float()
+def pair_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's float32 sums over pairs, odd element first, step by step (bfloat16 values:
+    each product exact, each add rounded once)."""
+    xf, wf = x.float(), weight.float()
     if xf.shape[-1] % 2:
         xf, wf = F.pad(xf, (0, 1)), F.pad(wf, (0, 1))
     acc = torch.zeros(xf.shape[0], wf.shape[0])
     for p in range(xf.shape[-1] // 2):
         for k in (2 * p + 1, 2 * p):
-            acc = acc + xf[:, k : k + 1] * wf[:, k]  # the product exact, the sum rounded once
+            acc = acc + xf[:, k : k + 1] * wf[:, k]
+    return acc
+
+
+def contract(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """The kernel's arithmetic, step by step in float32 (see the module docstring)."""
+    acc = pair_sums(x, linear.weight.detach())
     if linear.bias is not None:
         acc = acc + linear.bias.detach().float()
     return acc.bfloat16()
