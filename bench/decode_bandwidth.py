@@ -96,7 +96,8 @@ def fp8_twins(
 ) -> list[tuple[str, torch.nn.Module, int]]:
     """An FP8 layer of each projection's shape on the same kernels (random weights, a scale per
     output): (kind, module, bytes it reads)."""
-    from spyre_server.model.cpu.ops.native_linear import FP8_MAX, NativeFp8Linear
+    from spyre_server.model.cpu.ops.native_linear import NativeFp8Linear
+    from spyre_server.model.fp8 import FP8_MAX
 
     twins = []
     for kind, module, _ in found:

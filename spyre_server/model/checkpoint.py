@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from spyre_server.model.errors import ModelLoadError
+from spyre_server.model.fp8 import adapt_fp8_tensors
 from spyre_server.model.hf_config import ModelSpec
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>.*?\.)(?P<index>\d+)\.(?P<rest>.+)$")
@@ -78,7 +79,11 @@ def load_checkpoint(
             if spec.tie_word_embeddings and spec.head_key in partial:
                 head_tensor = partial.pop(spec.head_key)
             try:
-                adapted = adapter(dict(partial))
+                adapted = (
+                    adapter(dict(partial))
+                    if spec.fp8 is None
+                    else adapt_fp8_tensors(dict(partial), adapter)
+                )
             except Exception as exc:
                 raise ModelLoadError(
                     f"cannot convert the checkpoint tensors {_listing(group)} to fms's "
@@ -184,7 +189,15 @@ def _place(
             f"the checkpoint's {origin} has shape {list(tensor.shape)}, the model built from "
             f"config.json has {list(current.shape)} for it ({name})"
         )
-    value = tensor.to(dtype=dtype).contiguous()
+    # An FP8 weight stays FP8; every other tensor takes the model's dtype (FP8 scales too, as
+    # HF transformers casts them).
+    keep = current.dtype == torch.float8_e4m3fn
+    if keep and tensor.dtype != current.dtype:
+        raise ModelLoadError(
+            f"the checkpoint's {origin} is {tensor.dtype}, the model's FP8 layer takes "
+            f"float8_e4m3fn ({name})"
+        )
+    value = tensor.to(dtype=current.dtype if keep else dtype).contiguous()
     if attr in module._parameters:
         module._parameters[attr] = torch.nn.Parameter(value, requires_grad=current.requires_grad)
     else:

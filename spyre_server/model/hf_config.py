@@ -12,7 +12,8 @@ are read here from config.json in both of its styles: transformers 5's ``rope_pa
 
 Refused whatever the serving settings: an architecture not in ``FAMILIES`` (fms has no model of
 it, or it is not checked against HF), a ``model_type`` that does not go with the architecture,
-``quantization_config``, attention or final logit softcapping, layer types other than full (and
+a ``quantization_config`` other than the FP8 form ``spyre_server.model.fp8`` reads (and FP8 on
+architectures outside ``FP8_ARCHITECTURES``), attention or final logit softcapping, layer types other than full (and
 sliding, where the architecture has it) attention, a rope type not in ``rope.ROPE_TYPES``, rope
 parameters per layer type, partial rotary embeddings, an activation fms does not compute, and the
 few per-family settings listed in each builder. Refused for some serving settings only
@@ -35,16 +36,21 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fms.utils.config import ModelConfig
 
 from spyre_server.model.errors import ModelLoadError
+from spyre_server.model.fp8 import Fp8Scheme, read_fp8_scheme
 from spyre_server.model.rope import REQUIRED, ROPE_TYPES, RopeSpec
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+FP8_ARCHITECTURES = frozenset({"llama", "granite", "mistral", "qwen3"})
+"""fms architectures whose FP8 checkpoints are served: dense decoders whose linear layers are
+plain projections without biases (Mixtral's experts and GPT-BigCode's biased layers are not)."""
 
 SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping")
 
@@ -86,6 +92,8 @@ class ModelSpec:
     embedding_key: str = "model.embed_tokens.weight"
     head_key: str = "lm_head.weight"
     learned_positions: bool = False
+    fp8: Fp8Scheme | None = None
+    """The checkpoint's FP8 scheme (``spyre_server.model.fp8``), None for unquantized weights."""
 
 
 # --------------------------------------------------------------------------------- reading
@@ -121,7 +129,15 @@ def model_spec(raw: Mapping[str, Any]) -> ModelSpec:
         )
     _refuse_common(raw, architecture)
     hf = _hf_config(raw)
-    return family.build(hf, raw)
+    spec = family.build(hf, raw)
+    if not raw.get("quantization_config"):
+        return spec
+    if spec.fms_architecture not in FP8_ARCHITECTURES:
+        raise ModelLoadError(
+            f"config.json's quantization_config: FP8 checkpoints of {architecture} are not "
+            f"implemented (FP8 is served for {', '.join(sorted(FP8_ARCHITECTURES))})"
+        )
+    return replace(spec, fp8=read_fp8_scheme(raw["quantization_config"]))
 
 
 def _supported() -> str:
@@ -142,12 +158,6 @@ def _hf_config(raw: Mapping[str, Any]) -> Any:
 
 
 def _refuse_common(raw: Mapping[str, Any], architecture: str) -> None:
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise ModelLoadError(
-            f"config.json's quantization_config (quant_method {method!r}): quantized "
-            "checkpoints are not supported; serve the unquantized weights"
-        )
     for name in SOFTCAPPING_FIELDS:
         if raw.get(name) is not None:
             raise ModelLoadError(

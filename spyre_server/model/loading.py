@@ -16,6 +16,7 @@ from spyre_server.config import Config
 from spyre_server.model.checkpoint import load_checkpoint
 from spyre_server.model.cpu.kernels.library import cpu_flags
 from spyre_server.model.errors import ModelLoadError
+from spyre_server.model.fp8 import use_fp8_linears
 from spyre_server.model.hf_config import ModelSpec, check_serving, read_model_spec
 from spyre_server.model.rope import install_rope, rope_length, rotary_embeddings
 from spyre_server.model.runner import kv_cache_shape
@@ -141,6 +142,8 @@ def load_model(
     if not fused_weights and spec.fms_architecture != "mixtral":
         spec = replace(spec, fms_config=spec.fms_config.updated(fused_weights=False))
     model = build_model(spec)
+    if spec.fp8 is not None:
+        use_fp8_linears(model, spec.fp8, dtype, head=model.head)
     if weights:
         _fill(model, path, spec, dtype)
     model.eval()
@@ -226,8 +229,29 @@ def check_serving_config(config: Config, loaded: LoadedModel) -> None:
         return
     max_model_len = config.model.max_model_len
     check_serving(spec, max_model_len, sliding_window_attention=sliding_window_attention(config))
+    if spec.fp8 is not None:
+        _check_fp8_serving(config, loaded.dtype)
     if spec.rope is not None and (rope_length(loaded.model) or 0) < max_model_len:
         install_rope(loaded.model, spec.rope, max_model_len)
+
+
+def _check_fp8_serving(config: Config, dtype: torch.dtype) -> None:
+    """Refuse what an FP8 checkpoint cannot be served with: the spyre backend (the reference
+    runs FP8 through fms-model-optimizer's operations, not loaded here), tensor parallelism, and
+    a dtype other than bfloat16 (the FP8 kernel's)."""
+    if config.model.backend == "spyre":
+        raise ModelLoadError(
+            "FP8 checkpoints on the spyre backend need fms-model-optimizer's FP8 operations "
+            "(sendnn-inference loads them through fms_mo.aiu_addons.fp8), which this server "
+            "does not load; serve this checkpoint on the cpu backend"
+        )
+    if config.model.tensor_parallel_size > 1:
+        raise ModelLoadError("FP8 checkpoints with model.tensor_parallel_size above 1")
+    if dtype != torch.bfloat16:
+        raise ModelLoadError(
+            f"FP8 checkpoints compute in bfloat16 here (model.dtype resolved to {dtype}; "
+            "auto is float32 on CPUs without AVX512-BF16 or AMX): set model.dtype: bfloat16"
+        )
 
 
 def check_readable(path: Path) -> None:

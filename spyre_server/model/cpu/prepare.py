@@ -57,6 +57,7 @@ from spyre_server.model.cpu.ops.native_attention import (
 from spyre_server.model.cpu.ops.native_elementwise import use_native_elementwise
 from spyre_server.model.cpu.ops.native_linear import NATIVE_DTYPES, use_native_linears
 from spyre_server.model.cpu.ops.packed_linear import check_onednn, pack_linears
+from spyre_server.model.fp8 import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,11 @@ def cpu_inference_copy(
     built and whether their float32 code runs 512 bits wide on CPUs with AVX512F
     (``model.kernel_dir``, ``model.native_avx512``), for this copy's kernels only."""
     kernel = resolve_linear_kernel(linear_kernel, dtype)
+    if kernel != "native" and any(type(m) is Fp8Linear for m in model.modules()):
+        raise LinearKernelError(
+            f"FP8 checkpoints run on the native linear kernel, not {kernel} "
+            f"(model.linear_kernel {linear_kernel})"
+        )
     if kernel == "onednn":
         check_onednn(dtype)
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}

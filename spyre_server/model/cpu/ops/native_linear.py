@@ -25,6 +25,7 @@ import torch
 
 from spyre_server.model.cpu.kernels.library import NativeKernels
 from spyre_server.model.cpu.ops.packed_linear import replace_linears
+from spyre_server.model.fp8 import Fp8Linear, fake_quantize_fp8
 
 _PANEL_ALIGNMENT = 32
 """Bytes: the float32 kernel reads the panels with aligned AVX loads."""
@@ -140,19 +141,6 @@ class NativeBf16Linear(torch.nn.Module):
         )
 
 
-FP8_MAX = 448.0
-"""The largest finite float8_e4m3fn value."""
-
-
-def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to float8_e4m3fn steps of ``scale`` (a static per-tensor activation scale,
-    shape ``[1]`` as checkpoints store it: a float32 scale makes the division float32), in
-    ``scale``'s dtype: compressed-tensors' quantize-dequantize, op for op, as HF transformers runs
-    it before an FP8 checkpoint's linear layers."""
-    scaled = (x / scale).clamp(-FP8_MAX, FP8_MAX)
-    return scaled.to(torch.float8_e4m3fn).to(scaled.dtype).to(scale.dtype) * scale
-
-
 class NativeFp8Linear(torch.nn.Module):
     """A compressed-tensors FP8 linear layer on ``kernels/linear_bf16.cpp``: the float8_e4m3fn
     weight stays FP8 in memory (packed once, one byte a value) with its float32 scale per output
@@ -214,6 +202,11 @@ class NativeFp8Linear(torch.nn.Module):
         self.kernels = kernels
         self._linear = kernels.linear_fp8
 
+    @classmethod
+    def of(cls, layer: Fp8Linear, kernels: NativeKernels) -> NativeFp8Linear:
+        """``layer`` (an FP8 checkpoint's) on the kernel; its weight and scales shared."""
+        return cls(layer.weight, layer.weight_scale, kernels, input_scale=layer.input_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"NativeFp8Linear computes in bfloat16; got {x.dtype} input")
@@ -246,12 +239,18 @@ class NativeFp8Linear(torch.nn.Module):
 
 def use_native_linears(model: torch.nn.Module, kernels: NativeKernels) -> int:
     """Replace every plain linear layer of ``model`` (in place) by a NativeLinear (float32
-    weights) or a NativeBf16Linear (bfloat16 weights); returns how many. Raises ValueError for
-    a weight of another dtype."""
+    weights) or a NativeBf16Linear (bfloat16 weights), and every ``Fp8Linear`` by a
+    NativeFp8Linear; returns how many. Raises ValueError for a weight of another dtype."""
 
     def native(linear: torch.nn.Linear) -> torch.nn.Module:
         if linear.weight.dtype == torch.bfloat16:
             return NativeBf16Linear(linear, kernels)
         return NativeLinear(linear, kernels)
 
-    return replace_linears(model, native)
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is Fp8Linear:
+                setattr(module, name, NativeFp8Linear.of(child, kernels))
+                replaced += 1
+    return replaced + replace_linears(model, native)

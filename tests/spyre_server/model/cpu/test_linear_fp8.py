@@ -19,11 +19,8 @@ import pytest
 import torch
 
 from spyre_server.model.cpu.kernels.library import NativeKernels
-from spyre_server.model.cpu.ops.native_linear import (
-    FP8_MAX,
-    NativeFp8Linear,
-    fake_quantize_fp8,
-)
+from spyre_server.model.cpu.ops.native_linear import NativeFp8Linear
+from spyre_server.model.fp8 import FP8_MAX, fake_quantize_fp8
 from tests.conftest import needs_native_kernels
 from tests.spyre_server.model.cpu.test_linear_bf16 import (
     BF16_HALF_STEP,
@@ -185,3 +182,35 @@ def test_the_module_takes_any_leading_shape(path: NativeKernels) -> None:  # noq
     assert torch.equal(layer(x), layer(x.reshape(6, 48)).reshape(2, 3, 64))
     with pytest.raises(TypeError, match="bfloat16"):
         layer(x.float())
+
+
+@pytest.mark.parametrize("static_input", [True, False])
+def test_the_native_layer_of_a_checkpoint_layer_is_within_the_bound_of_hfs_formula(
+    path: NativeKernels,  # noqa: F811
+    static_input: bool,
+) -> None:
+    """``NativeFp8Linear.of(Fp8Linear)`` (what the cpu backend serves) against the loaded
+    layer's own forward (HF's formula): within the bfloat16 kernel's bound plus HF's rounding
+    of each weight, with the input rounded to FP8 steps by both where the layer has a scale."""
+    from spyre_server.model.fp8 import Fp8Linear
+
+    weight, scale = fp8_weight(320, 256, per_channel=True)
+    layer = Fp8Linear(256, 320, torch.bfloat16, input_scale=static_input)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale.copy_(scale.reshape(-1).bfloat16())
+        if layer.input_scale is not None:
+            layer.input_scale.fill_(0.01)
+    x = torch.randn(7, 256, dtype=torch.bfloat16)
+    native = NativeFp8Linear.of(layer, path)
+    assert (native.input_scale is None) == (not static_input)
+    x_in = fake_quantize_fp8(x, layer.input_scale).bfloat16() if static_input else x
+    hf_weight = dequantized(weight, layer.weight_scale.float()[:, None]).double()
+    exact = x_in.double() @ hf_weight.T
+    magnitude = x_in.double().abs() @ hf_weight.abs().T
+    allowed = BF16_HALF_STEP * exact.abs() + (256 + 2) * EPS32 * magnitude
+    allowed = allowed + 2.0**-9 * magnitude * (1 + BF16_HALF_STEP)
+    with torch.no_grad():
+        reference = layer(x).double()
+    assert ((native(x).double() - exact).abs() <= allowed).all()
+    assert ((reference - exact).abs() <= allowed).all()
