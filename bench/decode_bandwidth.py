@@ -15,11 +15,10 @@ kernels and decoder) and alternates, in one process:
   theirs: roughly what it spends outside them (attention, norms, RoPE, the embedding, sampling,
   Python), within the two measurements' noise.
 
-With ``--fp8`` (bfloat16 only), each projection also gets an FP8 twin of its shape
-(``NativeFp8Linear``: random float8_e4m3fn weights, a scale per output), timed in the same rounds:
-per kind its time against the bfloat16 one, and the step's time with the twins in place of the
-projections (the step minus the bfloat16 projections plus the FP8 ones: a projection, until FP8
-checkpoints load).
+With ``--fp8`` (bfloat16 only), the checkpoint is also quantized as llm-compressor's FP8 scheme
+writes it (float8_e4m3fn weights with a scale per output, static input scales calibrated on a
+random prompt: ``tests/conformance/fp8_checkpoints.py``) and served beside the bfloat16 one: its
+decode steps and projections timed in the same rounds, against the bfloat16 ones and the bound.
 
 Run from the repository root (it builds the checkpoint with the conformance suite's builder)::
 
@@ -91,21 +90,17 @@ def projection_seconds(
     return seconds
 
 
-def fp8_twins(
-    found: list[tuple[str, torch.nn.Module, int]],
-) -> list[tuple[str, torch.nn.Module, int]]:
-    """An FP8 layer of each projection's shape on the same kernels (random weights, a scale per
-    output): (kind, module, bytes it reads)."""
-    from spyre_server.model.cpu.ops.native_linear import NativeFp8Linear
-    from spyre_server.model.fp8 import FP8_MAX
+def fp8_bench(path: Path, overrides: dict[str, Any], model: str) -> Bench:
+    """The checkpoint at ``path`` quantized to FP8 (per output channel, static input scales from
+    one random 256-token prompt), loaded and served as the server does."""
+    from tests.conformance.fp8_checkpoints import quantize
 
-    twins = []
-    for kind, module, _ in found:
-        weight = torch.randn(module.out_features, module.in_features)
-        scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
-        twin = NativeFp8Linear((weight / scale).to(torch.float8_e4m3fn), scale, module.kernels)
-        twins.append((kind, twin, twin.packed.numel()))
-    return twins
+    calibration = [[1000 + (i * 7919) % 40000 for i in range(256)]]
+    fp8 = quantize(
+        path, path.with_name(path.name + "-fp8"), per_channel=True, static_inputs=True,
+        prompts=calibration,
+    )  # fmt: skip
+    return Bench(overrides, load_model(fp8, torch.bfloat16), fms_forward=False, model=model)
 
 
 def main() -> None:
@@ -118,7 +113,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--linear-kernel", default="auto")
-    parser.add_argument("--fp8", action="store_true", help="time FP8 twins of the projections")
+    parser.add_argument("--fp8", action="store_true", help="also serve an FP8 quantization")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers = args.layers or RANDOM_MODELS[args.model][2]["num_hidden_layers"]
@@ -132,8 +127,9 @@ def main() -> None:
         path = random_checkpoint(args.model, layers, Path(scratch))
         loaded = load_model(path, getattr(torch, args.dtype))
         bench = Bench(overrides, loaded, fms_forward=False, model=args.model)
+        fp8 = fp8_bench(path, overrides, args.model) if args.fp8 else None
     found = projections(bench.model)
-    twins = fp8_twins(found) if args.fp8 else []
+    fp8_found = projections(fp8.model) if fp8 is not None else []
     weight_bytes = sum(b for _, _, b in found)
     by_kind: dict[str, int] = defaultdict(int)
     for kind, _, nbytes in found:
@@ -147,15 +143,17 @@ def main() -> None:
     steps: list[float] = []
     kinds: dict[str, list[float]] = defaultdict(list)
     fp8_kinds: dict[str, list[float]] = defaultdict(list)
+    fp8_steps: list[float] = []
     for _ in range(args.rounds):
         stream += streaming_gbps(data)
         steps += bench.decode_step_times(1, args.steps, args.context)
+        if fp8 is not None:
+            fp8_steps += fp8.decode_step_times(1, args.steps, args.context)
         for _ in range(3):
             for kind, seconds in projection_seconds(found, getattr(torch, args.dtype)).items():
                 kinds[kind].append(seconds)
-            if twins:
-                for kind, seconds in projection_seconds(twins, torch.bfloat16).items():
-                    fp8_kinds[kind].append(seconds)
+            for kind, seconds in projection_seconds(fp8_found, torch.bfloat16).items():
+                fp8_kinds[kind].append(seconds)
     bound = statistics.median(stream)
     step = statistics.median(steps)
     print(
@@ -184,20 +182,28 @@ def main() -> None:
     )
     # Two medians of separate measurements: within their noise (a few ms) this can go negative.
     print(f"| step minus the projections alone | | {(step - total) * 1e3:.1f} | | |")
-    if twins:
-        print_fp8(kinds, fp8_kinds, twins, bound, step)
+    if fp8_steps:
+        print_fp8(kinds, fp8_kinds, fp8_found, bound, step, statistics.median(fp8_steps))
 
 
 def print_fp8(
     kinds: dict[str, list[float]],
     fp8_kinds: dict[str, list[float]],
-    twins: list[tuple[str, torch.nn.Module, int]],
+    fp8_found: list[tuple[str, torch.nn.Module, int]],
     bound: float,
     step: float,
+    fp8_step: float,
 ) -> None:
     fp8_bytes: dict[str, int] = defaultdict(int)
-    for kind, _, nbytes in twins:
+    for kind, _, nbytes in fp8_found:
         fp8_bytes[kind] += nbytes
+    total_bytes = sum(fp8_bytes.values())
+    print(
+        f"\nFP8 decode step, 1 request: median {fp8_step * 1e3:.1f} ms = {1 / fp8_step:.1f} "
+        f"tok/s = **{fp8_step / step:.2f}x the bfloat16 step**; {total_bytes / 1e9:.3f} GB of "
+        f"weights read at {total_bytes / fp8_step / 1e9:.1f} GB/s = "
+        f"{total_bytes / fp8_step / 1e9 / bound:.0%} of the bound"
+    )
     print(
         "\n| kind | FP8 GB | bf16 ms | FP8 ms | FP8 / bf16 | FP8 GB/s | of the bound |"
         "\n|---|---|---|---|---|---|---|"
@@ -211,14 +217,9 @@ def print_fp8(
             f"| {kind} | {fp8_bytes[kind] / 1e9:.3f} | {bf16 * 1e3:.1f} | {fp8 * 1e3:.1f} | "
             f"{fp8 / bf16:.2f} | {rate:.1f} | {rate / bound:.0%} |"
         )
-    projected = step - bf16_total + fp8_total
     print(
-        f"| all projections | {sum(fp8_bytes.values()) / 1e9:.3f} | {bf16_total * 1e3:.1f} | "
+        f"| all projections | {total_bytes / 1e9:.3f} | {bf16_total * 1e3:.1f} | "
         f"{fp8_total * 1e3:.1f} | {fp8_total / bf16_total:.2f} | | |"
-    )
-    print(
-        f"\nprojected FP8 decode step (the step with the FP8 twins' times): "
-        f"{projected * 1e3:.1f} ms = {projected / step:.2f}x the bfloat16 step"
     )
 
 

@@ -8,7 +8,9 @@
 // - RMS norm, as fms's with use_high_precision_pow: rms_norm(float(x)) rounded, times the weight
 //   rounded (two roundings, as fms's two ops);
 // - SiLU-and-multiply, as fms's GLU: silu(gate) rounded, times up rounded;
-// - rotary embedding, as fast_rope.py: float(x) * cos + swap(float(x)) * signed_sin rounded once.
+// - rotary embedding, as fast_rope.py: float(x) * cos + swap(float(x)) * signed_sin rounded once;
+// - an FP8 layer's input rounded to FP8 steps of its static scale, as compressed-tensors' ops in
+//   bfloat16 compute it (exactly: each step is one rounding of an exact float32 value).
 // AVX2 code (bfloat16 is loaded and stored through integer ops), like the float32 files.
 #include <immintrin.h>
 #include <math.h>
@@ -61,9 +63,35 @@ inline void rope_head(const uint16_t* x, const float* c, const float* s, uint16_
     }
 }
 
+// v (|v| <= 448, or NaN) rounded to the nearest float8_e4m3fn value, ties to even, as torch's
+// conversion rounds it: 3 mantissa bits from 2^-6 up, steps of 2^-9 below.
+inline float round_to_fp8(float v) {
+    const float a = fabsf(v);
+    if (a != a) return v;
+    if (a < 0x1p-6f) return copysignf(nearbyintf(a * 512.0f) * 0x1p-9f, v);
+    uint32_t u;
+    __builtin_memcpy(&u, &a, 4);
+    u = (u + 0x7FFFFu + ((u >> 20) & 1u)) & ~0xFFFFFu;
+    float r;
+    __builtin_memcpy(&r, &u, 4);
+    return copysignf(r, v);
+}
+
 }  // namespace
 
 extern "C" {
+
+// out[i] = bf16(fp8(clamp(bf16(x[i] / scale), -448, 448)) * scale) for n bfloat16 values, scale
+// a bfloat16 value (as a float): compressed-tensors' quantize-dequantize of a static per-tensor
+// FP8 input scale, op for op as torch computes it in bfloat16.
+void spyre_fake_quantize_fp8_bf16(const uint16_t* x, float scale, uint16_t* out, int64_t n) {
+    #pragma omp parallel for schedule(static) if (n >= kParallelValues)
+    for (int64_t i = 0; i < n; i++) {
+        float q = widen(round_bf16(widen(x[i]) / scale));
+        q = q > 448.0f ? 448.0f : (q < -448.0f ? -448.0f : q);
+        out[i] = round_bf16(round_to_fp8(q) * scale);
+    }
+}
 
 // out[r] = bf16(bf16(x[r] / sqrt(mean(x[r]^2) + eps)) * w) for M rows of N values; x rows at
 // stride ldx (values), out contiguous [M][N].

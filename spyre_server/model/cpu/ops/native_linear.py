@@ -199,6 +199,7 @@ class NativeFp8Linear(torch.nn.Module):
         self.register_buffer("packed_scale", packed_scale, persistent=False)
         self.bias = None if bias is None else bias.detach().bfloat16().contiguous()
         self.input_scale = None if input_scale is None else input_scale.detach().reshape(1)
+        self._scale_value = None if input_scale is None else float(input_scale)
         self.kernels = kernels
         self._linear = kernels.linear_fp8
 
@@ -210,9 +211,9 @@ class NativeFp8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"NativeFp8Linear computes in bfloat16; got {x.dtype} input")
-        if self.input_scale is not None:
-            x = fake_quantize_fp8(x, self.input_scale).bfloat16()
         rows = x.reshape(-1, self.in_features).contiguous()
+        if self.input_scale is not None:
+            rows = self._fake_quantize(rows)
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
         if rows.shape[0]:
             status = self._linear(
@@ -228,6 +229,18 @@ class NativeFp8Linear(torch.nn.Module):
             if status < 0:
                 raise MemoryError("the FP8 linear kernel found no memory for its scratch")
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _fake_quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """``fake_quantize_fp8(rows, input_scale)`` in bfloat16: on the native kernel for a
+        bfloat16 scale (what a loaded checkpoint holds), else in torch."""
+        assert self.input_scale is not None and self._scale_value is not None
+        if self.input_scale.dtype != torch.bfloat16:
+            return fake_quantize_fp8(rows, self.input_scale).bfloat16()
+        out = torch.empty_like(rows)
+        self.kernels.fake_quantize_fp8_bf16(
+            rows.data_ptr(), self._scale_value, out.data_ptr(), rows.numel()
+        )
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -214,3 +214,18 @@ def test_the_native_layer_of_a_checkpoint_layer_is_within_the_bound_of_hfs_formu
         reference = layer(x).double()
     assert ((native(x).double() - exact).abs() <= allowed).all()
     assert ((reference - exact).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize("scale", [0.01, 2.0**-7, 0.3359375, 1.0])
+def test_the_native_input_rounding_gives_torchs_bits(path: NativeKernels, scale: float) -> None:  # noqa: F811
+    """The kernel behind a bfloat16 input scale against ``fake_quantize_fp8`` (torch's ops): every
+    bfloat16 bit pattern that is a number (zeros, subnormals, ties between FP8 steps, values
+    past the FP8 range, infinities), and NaN staying NaN."""
+    x = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    s = torch.tensor([scale], dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    path.fake_quantize_fp8_bf16(x.data_ptr(), float(s), out.data_ptr(), x.numel())
+    expected = fake_quantize_fp8(x, s)
+    number = ~x.isnan()
+    assert torch.equal(out[number].view(torch.int16), expected[number].view(torch.int16))
+    assert out[~number].isnan().all()
