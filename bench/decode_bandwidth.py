@@ -16,8 +16,7 @@ kernels and decoder) and alternates, in one process:
   Python), within the two measurements' noise.
 
 With ``--fp8`` (bfloat16 only), the checkpoint is also quantized as llm-compressor's FP8 scheme
-writes it (float8_e4m3fn weights with a scale per output, static input scales calibrated on a
-random prompt: ``tests/conformance/fp8_checkpoints.py``) and served beside the bfloat16 one: its
+writes it (``realistic_checkpoint.quantize_fp8``) and served beside the bfloat16 one: its
 decode steps and projections timed in the same rounds, against the bfloat16 ones and the bound.
 
 Run from the repository root (it builds the checkpoint with the conformance suite's builder)::
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from bench.bench_engine import RANDOM_MODELS, Bench, random_checkpoint
+from bench.realistic_checkpoint import quantize_fp8
 from spyre_server.model.loading import cpu_flags, load_model
 
 PROJECTION_KINDS = {"qkv_fused": "qkv", "dense": "dense", "wg1_fused": "gate_up", "w2": "down"}
@@ -91,15 +91,9 @@ def projection_seconds(
 
 
 def fp8_bench(path: Path, overrides: dict[str, Any], model: str) -> Bench:
-    """The checkpoint at ``path`` quantized to FP8 (per output channel, static input scales from
-    one random 256-token prompt), loaded and served as the server does."""
-    from tests.conformance.fp8_checkpoints import quantize
-
-    calibration = [[1000 + (i * 7919) % 40000 for i in range(256)]]
-    fp8 = quantize(
-        path, path.with_name(path.name + "-fp8"), per_channel=True, static_inputs=True,
-        prompts=calibration,
-    )  # fmt: skip
+    """The checkpoint at ``path`` quantized to FP8 (``realistic_checkpoint.quantize_fp8``),
+    loaded and served as the server does."""
+    fp8 = quantize_fp8(path, path.with_name(path.name + "-fp8"))
     return Bench(overrides, load_model(fp8, torch.bfloat16), fms_forward=False, model=model)
 
 

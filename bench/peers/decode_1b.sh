@@ -3,6 +3,7 @@
 # model's tokenizer; built once into $P/models/llama1b by bench/realistic_checkpoint.py) served
 # by each named server alone, then the table of ratios:
 #   spyre      this repo's spyre-server on the HF folder (dtype auto: bfloat16 on AVX512-BF16/AMX)
+#   spyre-fp8  the same on its FP8 quantization ($P/models/llama1b-fp8, compressed-tensors' form)
 #   llama-f16  llama-server on the GGUF that llama.cpp's own convert_hf_to_gguf.py makes (F16)
 #   llama-q8   the same quantized to Q8_0 by llama-quantize
 #   vllm-bf16  vLLM CPU in bfloat16 (needs install.sh's venv-cpu)
@@ -29,6 +30,9 @@ mkdir -p "$OUT"
 if [ ! -f "$MODEL_DIR/config.json" ]; then
   (cd "$REPO" && "$PY" -m bench.realistic_checkpoint llama1b "$MODEL_DIR")
 fi
+if [ ! -f "$P/models/llama1b-fp8/config.json" ]; then
+  (cd "$REPO" && "$PY" -m bench.realistic_checkpoint llama1b "$P/models/llama1b-fp8" --fp8)
+fi
 if [ ! -f "$P/models/llama1b-F16.gguf" ]; then
   # The converter imports sentencepiece before it falls back to tokenizer.json's BPE: it goes
   # into a folder of its own, not into the venv.
@@ -49,12 +53,12 @@ print("| server | decode, 1 stream (tok/s, 1/ITL p50) | 8 streams, output tok/s 
 print("|---|---|---|---|")
 for s, (one, eight) in rows.items():
     print(f"| {s} | {1000 / one['p50_itl_ms']:.1f} | {eight['output_throughput']:.1f} | {one['p50_ttft_ms'] / 1000:.2f} |")
-if "spyre" in rows and len(rows) > 1:
-    ours = rows["spyre"]
+for mine in [s for s in ("spyre", "spyre-fp8") if s in rows]:
+    ours = rows[mine]
     print()
     for s, (one, eight) in rows.items():
-        if s != "spyre":
-            print(f"spyre over {s}: decode {one['p50_itl_ms'] / ours[0]['p50_itl_ms']:.2f}x its tok/s, "
+        if s != mine:
+            print(f"{mine} over {s}: decode {one['p50_itl_ms'] / ours[0]['p50_itl_ms']:.2f}x its tok/s, "
                   f"8 streams {ours[1]['output_throughput'] / eight['output_throughput']:.2f}x")
 PYEOF
 }
@@ -66,6 +70,9 @@ start() {  # name -> starts the server in the background, sets PID and URL
     spyre) URL=http://127.0.0.1:8031
       "$REPO/.venv/bin/spyre-server" serve --model "$MODEL_DIR" --served-model-name $NAME \
         --port 8031 >"$OUT/spyre.log" 2>&1 & ;;
+    spyre-fp8) URL=http://127.0.0.1:8032
+      "$REPO/.venv/bin/spyre-server" serve --model "$P/models/llama1b-fp8" --served-model-name $NAME \
+        --dtype bfloat16 --port 8032 >"$OUT/spyre-fp8.log" 2>&1 & ;;
     llama-f16) URL=http://127.0.0.1:8131
       PORT=8131 NAME=$NAME GGUF=$P/models/llama1b-F16.gguf "$HERE/start_llama_server.sh" ${LLAMA_ARGS:-} >"$OUT/$1.log" 2>&1 & ;;
     llama-q8) URL=http://127.0.0.1:8132
