@@ -13,12 +13,13 @@ are read here from config.json in both of its styles: transformers 5's ``rope_pa
 Refused whatever the serving settings: an architecture not in ``FAMILIES`` (fms has no model of
 it, or it is not checked against HF), a ``model_type`` that does not go with the architecture,
 a ``quantization_config`` other than the FP8 form ``spyre_server.model.fp8`` reads (and FP8 on
-architectures outside ``FP8_ARCHITECTURES``), attention or final logit softcapping, layer types other than full (and
-sliding, where the architecture has it) attention, a rope type not in ``rope.ROPE_TYPES``, rope
-parameters per layer type, partial rotary embeddings, an activation fms does not compute, and the
-few per-family settings listed in each builder. Refused for some serving settings only
-(``check_serving``): a sequence longer than a rope type or learned position table is exact for,
-and a sliding window shorter than ``model.max_model_len`` while the attention paths ignore it.
+architectures outside ``FP8_ARCHITECTURES``), attention or final logit softcapping, layer types
+other than full (and sliding, where the architecture has it) attention, a rope type not in
+``rope.ROPE_TYPES``, rope parameters per layer type, partial rotary embeddings, an activation fms
+does not compute, and the few per-family settings listed in each builder. Refused for some
+serving settings only (``check_serving``): a sequence longer than a rope type or learned position
+table is exact for, and a sliding window shorter than ``model.max_model_len`` while the attention
+paths ignore it.
 
 fms's own readers (``fms.models.hf.config_utils.param_builders``, ibm-fms 1.13.1) are not used:
 they look for ``rope_scaling`` inside ``rope_parameters`` (transformers 5 never writes it there,
@@ -132,12 +133,13 @@ def model_spec(raw: Mapping[str, Any]) -> ModelSpec:
     spec = family.build(hf, raw)
     if not raw.get("quantization_config"):
         return spec
+    fp8 = read_fp8_scheme(raw["quantization_config"])
     if spec.fms_architecture not in FP8_ARCHITECTURES:
         raise ModelLoadError(
             f"config.json's quantization_config: FP8 checkpoints of {architecture} are not "
             f"implemented (FP8 is served for {', '.join(sorted(FP8_ARCHITECTURES))})"
         )
-    return replace(spec, fp8=read_fp8_scheme(raw["quantization_config"]))
+    return replace(spec, fp8=fp8)
 
 
 def _supported() -> str:
