@@ -45,7 +45,8 @@
 // subnormal). Every float8_e4m3fn value is exactly a bfloat16 value, so the kernel converts the
 // weights (no rounding) and runs the bfloat16 arithmetic on them: a task of up to 6 rows (one row
 // block; a decode step) as it reads each pair, more rows a chunk of pairs at a time into the
-// thread's scratch, which every row block then reads. A pair without exponent-0 values takes a
+// thread's scratch, which every row block then reads (and the block's further row chunks on the
+// thread, without converting again: a prefill converts each block about once). A pair without exponent-0 values takes a
 // shorter conversion (sign-extend, shift, mask, rebias). The AVX2 code converts through a table.
 // The column's scale multiplies the float32 sum at the end:
 //     y[m][n] = bf16(acc * scale[n] + bias[n])
@@ -97,11 +98,12 @@ struct Task {
     const uint8_t* zero_exponent;  // FP8 weights: per pair of the block, whether a value has exponent 0
 };
 
-// A block's FP8 weights: what a task converts, chunk by chunk, before it computes.
-struct Fp8Block {
-    const uint8_t* w;    // its pairs, one byte a value, in the packed layout
-    const uint8_t* zero_exponent;  // per pair: 1 where a value has exponent 0 (zero, subnormal)
-    uint16_t* scratch;   // the thread's bfloat16 pairs of the block (the chunk's part written)
+// A thread's bfloat16 copy of one block's FP8 weights (the pairs a task on the converting path
+// reads): `ready` once it holds the whole block of the task at hand, so the block's other row
+// chunks on this thread read it without converting again.
+struct Fp8Scratch {
+    uint16_t* pairs;  // the block's P pairs; a task's Task::w
+    bool ready;
 };
 
 constexpr int64_t kFp8PairBytes = kPairValues;  // one byte a value
@@ -126,12 +128,12 @@ struct Fp8Table {
 };
 constexpr Fp8Table kFp8 {};
 
-// Pairs [p0, p1) of a block's FP8 weights into its bfloat16 scratch (any x86-64 code).
-inline void convert_fp8(const Fp8Block& f, int64_t p0, int64_t p1, bool stream) {
+// Pairs [p0, p1) of the task's FP8 weights (t.w8) into its block's scratch (any x86-64 code).
+inline void convert_fp8(const Task& t, uint16_t* scratch, int64_t p0, int64_t p1, bool stream) {
     for (int64_t p = p0; p < p1; p++) {
-        const uint8_t* src = f.w + p * kFp8PairBytes;
+        const uint8_t* src = t.w8 + p * kFp8PairBytes;
         if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(src));
-        uint16_t* dst = f.scratch + p * kPairValues;
+        uint16_t* dst = scratch + p * kPairValues;
         for (int64_t v = 0; v < kPairValues; v++) dst[v] = kFp8.bits[src[v]];
     }
 }
@@ -233,14 +235,16 @@ inline float* widen_rows(const uint16_t* x, int64_t M, int64_t K) {
 constexpr int kRowsAvx2 = 4;
 
 // A task's rows [0, rows) on AVX2: xf is the task's first row, widened. `stream`: a decode
-// call's (its first row block streams the weights ahead).
+// call's (its first row block streams the weights ahead). FP8 (`fp8`: the thread's scratch,
+// t.w): the block converted a chunk of pairs at a time unless the scratch holds it already.
 inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows, int64_t chunk,
-                      bool stream, float* partial, const Fp8Block* fp8) {
+                      bool stream, float* partial, Fp8Scratch* fp8) {
     const int64_t P = pairs_of(t.K);
+    const bool converts = fp8 != nullptr && !fp8->ready;
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
-        if (fp8 != nullptr) convert_fp8(*fp8, p0, p1, stream);
+        if (converts) convert_fp8(t, fp8->pairs, p0, p1, stream);
         int64_t r = 0;
         const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
         for (; r + kRowsAvx2 <= rows; r += kRowsAvx2)
@@ -253,6 +257,7 @@ inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows
             default: break;
         }
     }
+    if (converts) fp8->ready = true;
 }
 
 // ------------------------------------------------------------ AVX512-BF16: vdpbf16ps per pair
@@ -310,14 +315,14 @@ struct Fp8ToBf16 {
     }
 };
 
-// Pairs [p0, p1) of a block's FP8 weights into its bfloat16 scratch (convert_fp8, vectorized).
-DOT void convert_fp8_dot(const Fp8Block& f, int64_t p0, int64_t p1, bool stream) {
+// Pairs [p0, p1) of the task's FP8 weights into its block's scratch (convert_fp8, vectorized).
+DOT void convert_fp8_dot(const Task& t, uint16_t* scratch, int64_t p0, int64_t p1, bool stream) {
     const Fp8ToBf16 convert;
     for (int64_t p = p0; p < p1; p++) {
-        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(f.w + p * kFp8PairBytes));
+        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(t.w8 + p * kFp8PairBytes));
         __m512i w[4];
-        convert.pair(f.w, f.zero_exponent, p, w);
-        uint16_t* dst = f.scratch + p * kPairValues;
+        convert.pair(t.w8, t.zero_exponent, p, w);
+        uint16_t* dst = scratch + p * kPairValues;
         UNROLL for (int j = 0; j < 4; j++) _mm512_store_si512(dst + 32 * j, w[j]);
     }
 }
@@ -394,13 +399,18 @@ DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool 
     }
 }
 
+// A task's rows [0, rows) with vdpbf16ps. FP8 (`fp8`: the thread's scratch, t.w): up to
+// kRowsDot rows convert from t.w8 as they read; more read the scratch, converted first a chunk
+// of pairs at a time unless it holds the block already.
 DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float* partial,
-                  const Fp8Block* fp8) {
+                  Fp8Scratch* fp8) {
     const int64_t P = pairs_of(t.K);
+    const bool fused = fp8 != nullptr && rows <= kRowsDot;
+    const bool converts = fp8 != nullptr && !fused && !fp8->ready;
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
-        if (fp8 != nullptr && rows <= kRowsDot) {  // one row block: converted as it reads
+        if (fused) {  // one row block: converted as it reads
             const bool s = stream;
             switch (rows) {
                 case 6: rows_dot<6, true>(t, 0, p0, p1, resume, finish, s, partial); break;
@@ -413,7 +423,7 @@ DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float
             }
             continue;
         }
-        if (fp8 != nullptr) convert_fp8_dot(*fp8, p0, p1, stream);
+        if (converts) convert_fp8_dot(t, fp8->pairs, p0, p1, stream);
         const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
         int64_t r = 0;
         for (; r + kRowsDot <= rows; r += kRowsDot)
@@ -428,6 +438,7 @@ DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float
             default: break;
         }
     }
+    if (converts) fp8->ready = true;
 }
 #endif
 
@@ -493,20 +504,21 @@ int linear(bool dot, const uint16_t* x, const Weights& weights, const uint16_t* 
         alignas(64) float partial[kRowChunk * kBlockCols];
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
-        uint16_t* scratch = weights.fp8 != nullptr && first < last ? fp8_scratch(P) : nullptr;
-        no_memory = weights.fp8 != nullptr && first < last && scratch == nullptr;
+        Fp8Scratch scratch{weights.fp8 != nullptr && first < last ? fp8_scratch(P) : nullptr, false};
+        no_memory = weights.fp8 != nullptr && first < last && scratch.pairs == nullptr;
+        Fp8Scratch* fp8 = weights.fp8 != nullptr ? &scratch : nullptr;
         for (int64_t task = first; task < last && !no_memory; task++) {
             const int64_t b = task / num_chunks, r0 = task % num_chunks * row_chunk;
             const int64_t rows = M - r0 < row_chunk ? M - r0 : row_chunk;
             const int64_t c0 = b * kBlockCols;
-            const uint8_t* zero_exponent = weights.fp8 == nullptr ? nullptr : weights.fp8 + blocks * P * kFp8PairBytes + b * P;
-            const Fp8Block block{weights.fp8 + b * P * kFp8PairBytes, zero_exponent, scratch};
-            const Fp8Block* fp8 = weights.fp8 != nullptr ? &block : nullptr;
-            const Task t{x + r0 * K, K, fp8 != nullptr ? scratch : weights.bf16 + b * P * kPairValues,
+            if (r0 == 0) scratch.ready = false;  // a new block (tasks go block by block)
+            const bool is_fp8 = fp8 != nullptr;
+            const Task t{x + r0 * K, K, is_fp8 ? scratch.pairs : weights.bf16 + b * P * kPairValues,
                          bias == nullptr ? nullptr : bias + c0, y + r0 * N + c0, N,
                          N - c0 < kBlockCols ? N - c0 : kBlockCols,
-                         fp8 != nullptr ? weights.scale + c0 : nullptr, fp8 != nullptr ? block.w : nullptr,
-                         zero_exponent};
+                         is_fp8 ? weights.scale + c0 : nullptr,
+                         is_fp8 ? weights.fp8 + b * P * kFp8PairBytes : nullptr,
+                         is_fp8 ? weights.fp8 + blocks * P * kFp8PairBytes + b * P : nullptr};
 #ifdef SPYRE_LINEAR_BF16_DOT
             if (dot) {
                 task_dot(t, rows, chunk, decode, partial, fp8);
