@@ -43,10 +43,12 @@
 // checkpoints' form): packed in the same layout with one byte a value (128 bytes a pair of a
 // block), then a byte per pair saying whether one of its values has exponent 0 (a zero or a
 // subnormal). Every float8_e4m3fn value is exactly a bfloat16 value, so the kernel converts the
-// weights (no rounding) and runs the bfloat16 arithmetic on them: a task of up to 6 rows (one row
-// block; a decode step) as it reads each pair, more rows a chunk of pairs at a time into the
-// thread's scratch, which every row block then reads (and the block's further row chunks on the
-// thread, without converting again: a prefill converts each block about once). A pair without exponent-0 values takes a
+// weights (no rounding) and runs the bfloat16 arithmetic on them: a task of up to kDecodeRows
+// rows (a decode call) as it reads each pair, all rows in one row block and the block's column
+// groups in as few passes as the registers allow (every weight converted once); more rows a chunk
+// of pairs at a time into the thread's scratch, which every row block then reads (and the block's
+// further row chunks on the thread, without converting again: a prefill converts each block about
+// once). A pair without exponent-0 values takes a
 // shorter conversion (sign-extend, shift, mask, rebias). The AVX2 code converts through a table.
 // The column's scale multiplies the float32 sum at the end:
 //     y[m][n] = bf16(acc * scale[n] + bias[n])
@@ -72,10 +74,12 @@ constexpr int64_t kDecodePairs = 128;   // pairs per chunk of the sums, decode: 
 constexpr int64_t kPrefillPairs = 1024;  // ... and above kDecodeRows rows: 256 KB
 constexpr int64_t kStreamAheadBytes = 2048;  // a decode call's prefetch distance in its stream
 
-// Asks for the 256 bytes of pair weights `kStreamAheadBytes` after `wp` (a pair's start); past
-// the packed weight's end it asks for nothing that faults (a prefetch never does).
-inline void stream_ahead(const uint16_t* wp) {
-    const char* ahead = reinterpret_cast<const char*>(wp) + kStreamAheadBytes;
+// Asks for the 256 bytes `kStreamAheadBytes` after `wp` (a pair's start; an FP8 pair is 128
+// bytes, so each line is asked for twice, which ran faster than once: a prefetch the full fill
+// buffers drop is asked for again); past the packed weight's end it asks for nothing that faults
+// (a prefetch never does).
+inline void stream_ahead(const void* wp) {
+    const char* ahead = static_cast<const char*>(wp) + kStreamAheadBytes;
     UNROLL for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
 }
 
@@ -132,7 +136,7 @@ constexpr Fp8Table kFp8 {};
 inline void convert_fp8(const Task& t, uint16_t* scratch, int64_t p0, int64_t p1, bool stream) {
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t* src = t.w8 + p * kFp8PairBytes;
-        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(src));
+        if (stream) stream_ahead(src);
         uint16_t* dst = scratch + p * kPairValues;
         for (int64_t v = 0; v < kPairValues; v++) dst[v] = kFp8.bits[src[v]];
     }
@@ -285,14 +289,16 @@ struct Fp8ToBf16 {
         sign_and_magnitude = _mm512_set1_epi16(static_cast<short>(0x87F0));
     }
 
-    // Pair p of a block's FP8 weights: 4 groups, the fast conversion unless a value of the pair
-    // has exponent 0 (rare in a trained model's weights; padding is zero).
-    DOT inline void pair(const uint8_t* w8, const uint8_t* zero_exponent, int64_t p, __m512i (&w)[4]) const {
-        const uint8_t* src = w8 + p * kFp8PairBytes;
+    // Groups [g0, g0 + G) of pair p of a block's FP8 weights: the fast conversion unless a
+    // value of the pair has exponent 0 (rare in a trained model's weights; padding is zero).
+    template <int G = 4>
+    DOT inline void pair(const uint8_t* w8, const uint8_t* zero_exponent, int64_t p, int g0,
+                         __m512i (&w)[G]) const {
+        const uint8_t* src = w8 + p * kFp8PairBytes + 32 * g0;
         if (__builtin_expect(zero_exponent[p] != 0, 0)) {
-            UNROLL for (int j = 0; j < 4; j++) w[j] = (*this)(src + 32 * j);
+            UNROLL for (int j = 0; j < G; j++) w[j] = (*this)(src + 32 * j);
         } else {
-            UNROLL for (int j = 0; j < 4; j++) w[j] = normal(src + 32 * j);
+            UNROLL for (int j = 0; j < G; j++) w[j] = normal(src + 32 * j);
         }
     }
 
@@ -319,69 +325,70 @@ struct Fp8ToBf16 {
 DOT void convert_fp8_dot(const Task& t, uint16_t* scratch, int64_t p0, int64_t p1, bool stream) {
     const Fp8ToBf16 convert;
     for (int64_t p = p0; p < p1; p++) {
-        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(t.w8 + p * kFp8PairBytes));
+        if (stream) stream_ahead(t.w8 + p * kFp8PairBytes);
         __m512i w[4];
-        convert.pair(t.w8, t.zero_exponent, p, w);
+        convert.pair(t.w8, t.zero_exponent, p, 0, w);
         uint16_t* dst = scratch + p * kPairValues;
         UNROLL for (int j = 0; j < 4; j++) _mm512_store_si512(dst + 32 * j, w[j]);
     }
 }
 
-// The block's 4 groups of pair p: from the bfloat16 weights, or converted from the FP8 ones
-// (FP8: t.w8 read; the weights are used by one row block only, so never stored).
-template <bool FP8>
-DOT inline void pair_weights(const Task& t, int64_t p, bool stream, const Fp8ToBf16& convert,
-                             __m512bh (&w)[4]) {
+// Groups [g0, g0 + G) of the block's pair p: from the bfloat16 weights, or converted from the
+// FP8 ones (FP8: t.w8 read; the weights serve every row of the call, so are never stored).
+template <bool FP8, int G>
+DOT inline void pair_weights(const Task& t, int64_t p, int g0, bool stream,
+                             const Fp8ToBf16& convert, __m512bh (&w)[G]) {
     if (FP8) {
-        if (stream) stream_ahead(reinterpret_cast<const uint16_t*>(t.w8 + p * kFp8PairBytes));
-        __m512i converted[4];
-        convert.pair(t.w8, t.zero_exponent, p, converted);
-        UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)converted[j];
+        if (stream) stream_ahead(t.w8 + p * kFp8PairBytes);
+        __m512i converted[G];
+        convert.pair<G>(t.w8, t.zero_exponent, p, g0, converted);
+        UNROLL for (int j = 0; j < G; j++) w[j] = (__m512bh)converted[j];
         return;
     }
-    const uint16_t* wp = t.w + p * kPairValues;
+    const uint16_t* wp = t.w + p * kPairValues + 32 * g0;
     if (stream) stream_ahead(wp);
-    UNROLL for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
+    UNROLL for (int j = 0; j < G; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
 }
 
-// MR rows from row r of the task x the block's 64 columns, pairs [p0, p1): the x pair of row i
-// broadcast to every lane, one vdpbf16ps per group. An odd K's last pair takes x's last value
-// alone (zero in the odd half), as the zero-padded weight does. FP8: the weights converted from
-// t.w8 as they are read.
-template <int MR, bool FP8 = false>
-DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool resume,
+// MR rows from row r of the task x the block's column groups [g0, g0 + G) (16 columns each),
+// pairs [p0, p1): the x pair of row i broadcast to every lane, one vdpbf16ps per group. An odd
+// K's last pair takes x's last value alone (zero in the odd half), as the zero-padded weight
+// does. FP8: the weights converted from t.w8 as they are read.
+template <int MR, int G = 4, bool FP8 = false>
+DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p1, bool resume,
                          bool finish, bool stream, float* partial) {
     const int64_t full = t.K / 2;  // pairs with both values in x
     const uint16_t* x = t.x + r * t.K;
     const Fp8ToBf16 convert;
-    __m512 acc[MR][4];
-    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < 4; j++)
-        acc[i][j] = resume ? _mm512_load_ps(partial + (r + i) * kBlockCols + j * 16) : _mm512_setzero_ps();
+    float* sums = partial + g0 * 16;  // group g0's 16 columns of row 0
+    __m512 acc[MR][G];
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < G; j++)
+        acc[i][j] = resume ? _mm512_load_ps(sums + (r + i) * kBlockCols + j * 16) : _mm512_setzero_ps();
     const int64_t end = p1 < full ? p1 : full;
     for (int64_t p = p0; p < end; p++) {
-        __m512bh w[4];
-        pair_weights<FP8>(t, p, stream, convert, w);
+        __m512bh w[G];
+        pair_weights<FP8, G>(t, p, g0, stream, convert, w);
         UNROLL for (int i = 0; i < MR; i++) {
             int32_t pair;
             __builtin_memcpy(&pair, x + i * t.K + 2 * p, 4);
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            UNROLL for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+            UNROLL for (int j = 0; j < G; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
         }
     }
     if (p1 > full && full >= p0) {  // an odd K's last pair, in this chunk
-        __m512bh w[4];
-        pair_weights<FP8>(t, full, false, convert, w);
+        __m512bh w[G];
+        pair_weights<FP8, G>(t, full, g0, false, convert, w);
         UNROLL for (int i = 0; i < MR; i++) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[i * t.K + 2 * full]);
-            UNROLL for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+            UNROLL for (int j = 0; j < G; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
         }
     }
-    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < 4; j++) {
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < G; j++) {
         if (!finish) {
-            _mm512_store_ps(partial + (r + i) * kBlockCols + j * 16, acc[i][j]);
+            _mm512_store_ps(sums + (r + i) * kBlockCols + j * 16, acc[i][j]);
             continue;
         }
-        const int64_t c0 = j * 16;
+        const int64_t c0 = (g0 + j) * 16;
         if (c0 >= t.cols) continue;
         const __mmask16 valid = t.cols - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (t.cols - c0)) - 1);
         __m512 v = acc[i][j];
@@ -399,42 +406,48 @@ DOT inline void rows_dot(const Task& t, int64_t r, int64_t p0, int64_t p1, bool 
     }
 }
 
+// FP8, the rows [0, rows) of a task of up to MR rows (a decode call's), in one row block:
+// the block's groups in passes of G, as many as 24 accumulators hold (4 groups up to 6 rows, 2 up
+// to 12, then 1), each pass converting its groups' weights from t.w8 as it reads them, so every
+// weight is converted once (a pass after the first reads the chunk's bytes from cache).
+template <int MR>
+DOT inline void fp8_rows(const Task& t, int64_t rows, int64_t p0, int64_t p1, bool resume,
+                         bool finish, bool stream, float* partial) {
+    if constexpr (MR > 1) {
+        if (rows < MR) return fp8_rows<MR - 1>(t, rows, p0, p1, resume, finish, stream, partial);
+    }
+    constexpr int G = MR <= 6 ? 4 : MR <= 12 ? 2 : 1;
+    for (int g0 = 0; g0 < 4; g0 += G)
+        rows_dot<MR, G, true>(t, 0, g0, p0, p1, resume, finish, stream && g0 == 0, partial);
+}
+
 // A task's rows [0, rows) with vdpbf16ps. FP8 (`fp8`: the thread's scratch, t.w): up to
-// kRowsDot rows convert from t.w8 as they read; more read the scratch, converted first a chunk
-// of pairs at a time unless it holds the block already.
+// kDecodeRows rows convert from t.w8 as they read (fp8_rows) unless the scratch holds the block
+// already; more read the scratch, converted first a chunk of pairs at a time if it does not.
 DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float* partial,
                   Fp8Scratch* fp8) {
     const int64_t P = pairs_of(t.K);
-    const bool fused = fp8 != nullptr && rows <= kRowsDot;
+    const bool fused = fp8 != nullptr && rows <= kDecodeRows && !fp8->ready;
     const bool converts = fp8 != nullptr && !fused && !fp8->ready;
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
-        if (fused) {  // one row block: converted as it reads
-            const bool s = stream;
-            switch (rows) {
-                case 6: rows_dot<6, true>(t, 0, p0, p1, resume, finish, s, partial); break;
-                case 5: rows_dot<5, true>(t, 0, p0, p1, resume, finish, s, partial); break;
-                case 4: rows_dot<4, true>(t, 0, p0, p1, resume, finish, s, partial); break;
-                case 3: rows_dot<3, true>(t, 0, p0, p1, resume, finish, s, partial); break;
-                case 2: rows_dot<2, true>(t, 0, p0, p1, resume, finish, s, partial); break;
-                case 1: rows_dot<1, true>(t, 0, p0, p1, resume, finish, s, partial); break;
-                default: break;
-            }
+        if (fused) {
+            fp8_rows<kDecodeRows>(t, rows, p0, p1, resume, finish, stream, partial);
             continue;
         }
         if (converts) convert_fp8_dot(t, fp8->pairs, p0, p1, stream);
         const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
         int64_t r = 0;
         for (; r + kRowsDot <= rows; r += kRowsDot)
-            rows_dot<kRowsDot>(t, r, p0, p1, resume, finish, streams && r == 0, partial);
+            rows_dot<kRowsDot>(t, r, 0, p0, p1, resume, finish, streams && r == 0, partial);
         const bool first = streams && r == 0;
         switch (rows - r) {
-            case 5: rows_dot<5>(t, r, p0, p1, resume, finish, first, partial); break;
-            case 4: rows_dot<4>(t, r, p0, p1, resume, finish, first, partial); break;
-            case 3: rows_dot<3>(t, r, p0, p1, resume, finish, first, partial); break;
-            case 2: rows_dot<2>(t, r, p0, p1, resume, finish, first, partial); break;
-            case 1: rows_dot<1>(t, r, p0, p1, resume, finish, first, partial); break;
+            case 5: rows_dot<5>(t, r, 0, p0, p1, resume, finish, first, partial); break;
+            case 4: rows_dot<4>(t, r, 0, p0, p1, resume, finish, first, partial); break;
+            case 3: rows_dot<3>(t, r, 0, p0, p1, resume, finish, first, partial); break;
+            case 2: rows_dot<2>(t, r, 0, p0, p1, resume, finish, first, partial); break;
+            case 1: rows_dot<1>(t, r, 0, p0, p1, resume, finish, first, partial); break;
             default: break;
         }
     }
