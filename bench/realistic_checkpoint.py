@@ -27,7 +27,7 @@ def quantize_fp8(path: Path, target: Path) -> Path:
     ``CALIBRATION`` (``tests/conformance/fp8_checkpoints.py``)."""
     from tests.conformance.fp8_checkpoints import quantize
 
-    return quantize(path, target, per_channel=True, static_inputs=True, prompts=CALIBRATION)
+    return quantize(path, target, per_channel=True, inputs="static", prompts=CALIBRATION)
 
 
 def main() -> None:

@@ -7,15 +7,18 @@ compressed-tensors 0.20, checked bitwise in docs/notes/2026-12-03-fp8-oracle-xeo
 targeted linear layer's weight is ``float8_e4m3fn`` with a ``weight_scale`` per output (or one for
 the tensor), both scales cast to the model's dtype at load; the layer computes
 ``F.linear(fake_quantize_fp8(x, input_scale), (weight.float() * weight_scale).to(dtype))``, the
-input rounded to FP8 steps of its static ``input_scale`` where the scheme has one. ``Fp8Linear``
+input rounded to FP8 steps of its static ``input_scale`` where the scheme has one, or of a scale
+per token computed from the token (``per_token_fp8_scale``: its largest magnitude / 448) where
+the scheme's input scales are dynamic. ``Fp8Linear``
 computes exactly that (the reference; slow); the cpu backend's ``NativeFp8Linear`` keeps the
 weight in FP8 and computes it within a stated bound (``kernels/linear_bf16.cpp``).
 
 Accepted: one config group targeting ``Linear``; weights 8-bit ``float``, symmetric, static, per
-``channel`` or ``tensor``; input activations none or 8-bit ``float``, symmetric, static, per
-``tensor``; no output activations, no KV-cache scheme; ``ignore`` exactly ``["lm_head"]``.
-Everything else is refused by name (dynamic per-token activation scales, groups, blocks, other
-bit widths, integer schemes, other formats and methods).
+``channel`` or ``tensor``; input activations none or 8-bit ``float``, symmetric, either static
+per ``tensor`` or dynamic per ``token`` (llm-compressor's FP8_DYNAMIC); no output activations,
+no KV-cache scheme; ``ignore`` exactly ``["lm_head"]``. Everything else is refused by name
+(other dynamic scales, groups, blocks, other bit widths, integer schemes, other formats and
+methods).
 """
 
 from __future__ import annotations
@@ -35,13 +38,18 @@ QUANTIZED_SUFFIXES = ("weight", "weight_scale", "input_scale")
 """An FP8 layer's checkpoint tensors (``<layer>.weight`` and the rest)."""
 
 
+InputScales = Literal["static", "dynamic"] | None
+"""An FP8 layer's input rounding: to FP8 steps of its checkpoint's ``input_scale`` (one per
+layer), of a scale per token computed from it (``per_token_fp8_scale``), or none."""
+
+
 @dataclass(frozen=True, slots=True)
 class Fp8Scheme:
     """A checkpoint's FP8 scheme, as far as it changes the math."""
 
     weight_strategy: Literal["channel", "tensor"]
-    static_input_scales: bool
-    """Whether each layer's input is rounded to FP8 steps of its ``input_scale`` first."""
+    input_scales: InputScales
+    """How each layer's input is rounded to FP8 steps first, if at all."""
 
 
 def read_fp8_scheme(quantization_config: Mapping[str, Any]) -> Fp8Scheme:
@@ -53,7 +61,8 @@ def read_fp8_scheme(quantization_config: Mapping[str, Any]) -> Fp8Scheme:
         return ModelLoadError(
             f"config.json's quantization_config: {what}; served quantized checkpoints are "
             "compressed-tensors float-quantized FP8 (float8_e4m3fn weights per channel or "
-            "tensor, static per-tensor input scales or none, lm_head unquantized)"
+            "tensor; input scales static per tensor, dynamic per token, or none; lm_head "
+            "unquantized)"
         )
 
     method = qc.get("quant_method")
@@ -78,9 +87,13 @@ def read_fp8_scheme(quantization_config: Mapping[str, Any]) -> Fp8Scheme:
     weights = group.get("weights") or {}
     _check_args(weights, f"{name}'s weights", ("channel", "tensor"), refuse)
     inputs = group.get("input_activations")
+    input_scales: InputScales = None
     if inputs is not None:
-        _check_args(inputs, f"{name}'s input_activations", ("tensor",), refuse)
-    return Fp8Scheme(weight_strategy=weights["strategy"], static_input_scales=inputs is not None)
+        dynamic = inputs.get("dynamic") is True
+        strategies = ("token",) if dynamic else ("tensor",)
+        _check_args(inputs, f"{name}'s input_activations", strategies, refuse, dynamic=dynamic)
+        input_scales = "dynamic" if dynamic else "static"
+    return Fp8Scheme(weight_strategy=weights["strategy"], input_scales=input_scales)
 
 
 def _check_args(
@@ -88,12 +101,15 @@ def _check_args(
     what: str,
     strategies: tuple[str, ...],
     refuse: Callable[[str], ModelLoadError],
+    *,
+    dynamic: bool = False,
 ) -> None:
+    """Static scales with one of ``strategies``, or dynamic ones (``dynamic``: exactly True)."""
     if args.get("type") != "float" or args.get("num_bits") != 8:
         raise refuse(f"{what} are {args.get('num_bits')}-bit {args.get('type')!r}, not 8-bit float")
     if args.get("symmetric") is not True:
         raise refuse(f"{what} are not symmetric")
-    if args.get("dynamic") not in (False, None):
+    if not dynamic and args.get("dynamic") not in (False, None):
         raise refuse(f"{what} have dynamic scales ({args.get('dynamic')!r})")
     if args.get("strategy") not in strategies:
         raise refuse(f"{what} strategy {args.get('strategy')!r} is not one of {strategies}")
@@ -110,13 +126,23 @@ def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scaled.to(torch.float8_e4m3fn).to(scaled.dtype).to(scale.dtype) * scale
 
 
+def per_token_fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """Each token's (last-dimension row's) dynamic FP8 input scale, ``[..., 1]`` in ``x``'s
+    dtype: its largest magnitude / 448, or the dtype's epsilon where that is 0 (compressed-tensors'
+    ``compute_dynamic_scales_and_zp`` for a symmetric per-token float scheme, op for op)."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / torch.tensor(FP8_MAX, dtype=x.dtype)
+    eps = torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype)
+    return torch.where(scale == 0, eps, scale)
+
+
 class Fp8Linear(torch.nn.Module):
     """A linear layer of an FP8 checkpoint, computing what HF transformers computes for it
     (module docstring): ``weight`` float8_e4m3fn ``[out, in]``, ``weight_scale`` ``[out]`` in
-    the model's dtype, ``input_scale`` ``[1]`` (or None without static input scales)."""
+    the model's dtype, ``input_scale`` ``[1]`` (or None without static input scales);
+    ``dynamic_inputs``: each token rounded to FP8 steps of its own scale."""
 
     def __init__(
-        self, in_features: int, out_features: int, dtype: torch.dtype, *, input_scale: bool
+        self, in_features: int, out_features: int, dtype: torch.dtype, *, input_scales: InputScales
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -128,20 +154,23 @@ class Fp8Linear(torch.nn.Module):
         )
         self.input_scale = (
             torch.nn.Parameter(torch.empty(1, dtype=dtype), requires_grad=False)
-            if input_scale
+            if input_scales == "static"
             else None
         )
+        self.dynamic_inputs = input_scales == "dynamic"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
             x = fake_quantize_fp8(x, self.input_scale).to(x.dtype)
+        elif self.dynamic_inputs:
+            x = fake_quantize_fp8(x, per_token_fp8_scale(x))
         weight = (self.weight.float() * self.weight_scale.float()[:, None]).to(x.dtype)
         return torch.nn.functional.linear(x, weight)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"static input scale={self.input_scale is not None}, fp8 weights"
+            f"input scales={'static' if self.input_scale is not None else 'dynamic' if self.dynamic_inputs else None}, fp8 weights"
         )
 
 
@@ -164,7 +193,7 @@ def use_fp8_linears(
                     child.in_features,
                     child.out_features,
                     dtype,
-                    input_scale=scheme.static_input_scales,
+                    input_scales=scheme.input_scales,
                 )
             setattr(module, name, fp8)
             replaced += 1

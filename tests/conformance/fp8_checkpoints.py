@@ -1,8 +1,9 @@
 """FP8 checkpoints as llm-compressor writes them (compressed-tensors ``float-quantized``), made
 from a conformance checkpoint: each decoder linear layer's weight in float8_e4m3fn with its
-scale (amax / 448 per output row, or for the whole tensor), and a static input scale per layer
-(amax / 448 of the layer's input over calibration prompts, as its minmax observer finds it);
-the LM head, embeddings and norms as they were."""
+scale (amax / 448 per output row, or for the whole tensor), and either a static input scale per
+layer (amax / 448 of the layer's input over calibration prompts, as its minmax observer finds
+it), dynamic per-token input scales (FP8_DYNAMIC: nothing stored), or none; the LM head,
+embeddings and norms as they were."""
 
 from __future__ import annotations
 
@@ -13,23 +14,26 @@ from typing import Any
 
 import torch
 
+from spyre_server.model.fp8 import InputScales
+
 FP8_MAX = 448.0
 
 
-def quantization_config(per_channel: bool, static_inputs: bool) -> dict[str, Any]:
-    def args(strategy: str) -> dict[str, Any]:
+def quantization_config(per_channel: bool, inputs: InputScales) -> dict[str, Any]:
+    def args(strategy: str, dynamic: bool = False) -> dict[str, Any]:
         return {
             "num_bits": 8,
             "type": "float",
             "symmetric": True,
-            "dynamic": False,
+            "dynamic": dynamic,
             "strategy": strategy,
             "group_size": None,
             "block_structure": None,
             "actorder": None,
-            "observer": "minmax",
+            "observer": None if dynamic else "minmax",
         }
 
+    input_activations = {"static": args("tensor"), "dynamic": args("token", dynamic=True)}
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -41,7 +45,7 @@ def quantization_config(per_channel: bool, static_inputs: bool) -> dict[str, Any
             "group_0": {
                 "targets": ["Linear"],
                 "weights": args("channel" if per_channel else "tensor"),
-                "input_activations": args("tensor") if static_inputs else None,
+                "input_activations": input_activations.get(inputs) if inputs else None,
                 "output_activations": None,
             }
         },
@@ -76,7 +80,7 @@ def quantize(
     target: Path,
     *,
     per_channel: bool,
-    static_inputs: bool,
+    inputs: InputScales,
     prompts: list[list[int]],
 ) -> Path:
     """``source``'s checkpoint as an FP8 checkpoint in ``target`` (created); returns it."""
@@ -84,7 +88,7 @@ def quantize(
 
     shutil.copytree(source, target)
     tensors = load_file(source / "model.safetensors")
-    amax = input_amax(source, prompts) if static_inputs else {}
+    amax = input_amax(source, prompts) if inputs == "static" else {}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         layer = key.removesuffix(".weight")
@@ -96,10 +100,10 @@ def quantize(
         scale = (top / FP8_MAX).to(tensor.dtype)
         out[key] = (w / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         out[f"{layer}.weight_scale"] = scale
-        if static_inputs:
+        if inputs == "static":
             out[f"{layer}.input_scale"] = torch.tensor([amax[layer] / FP8_MAX], dtype=tensor.dtype)
     save_file(out, target / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = quantization_config(per_channel, static_inputs)
+    config["quantization_config"] = quantization_config(per_channel, inputs)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target

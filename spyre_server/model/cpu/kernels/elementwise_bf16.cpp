@@ -93,6 +93,33 @@ void spyre_fake_quantize_fp8_bf16(const uint16_t* x, float scale, uint16_t* out,
     }
 }
 
+// spyre_fake_quantize_fp8_bf16 for M rows of N values, each row with its own scale computed
+// from it: bf16(max |x[r][j]| / 448), or 2^-7 (bfloat16's epsilon) where that is 0. This is
+// compressed-tensors' dynamic per-token FP8 input scale, op for op as torch computes it in
+// bfloat16 (a NaN row's scale is NaN there and here: its values come out NaN).
+void spyre_fake_quantize_fp8_rows_bf16(const uint16_t* x, uint16_t* out, int64_t M, int64_t N) {
+    #pragma omp parallel for schedule(static) if (M * N >= kParallelValues)
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t* xr = x + r * N;
+        float amax = 0.0f;
+        bool nan = false;
+        for (int64_t j = 0; j < N; j++) {
+            const float a = fabsf(widen(xr[j]));
+            nan |= a != a;
+            amax = a > amax ? a : amax;
+        }
+        float scale = widen(round_bf16(amax / 448.0f));
+        if (nan) scale = widen(0x7FC0);
+        if (scale == 0.0f) scale = 0x1p-7f;
+        uint16_t* o = out + r * N;
+        for (int64_t j = 0; j < N; j++) {
+            float q = widen(round_bf16(widen(xr[j]) / scale));
+            q = q > 448.0f ? 448.0f : (q < -448.0f ? -448.0f : q);
+            o[j] = round_bf16(round_to_fp8(q) * scale);
+        }
+    }
+}
+
 // out[r] = bf16(bf16(x[r] / sqrt(mean(x[r]^2) + eps)) * w) for M rows of N values; x rows at
 // stride ldx (values), out contiguous [M][N].
 void spyre_rms_norm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out,

@@ -295,6 +295,10 @@ class NativeKernels:
     fake_quantize_fp8_bf16: Callable[[int, float, int, int], None]
     """(x, scale, out, n): n bfloat16 values rounded to FP8 steps of the bfloat16 ``scale``, as
     ``spyre_server.model.fp8.fake_quantize_fp8`` computes them in bfloat16 (the same bits)."""
+    fake_quantize_fp8_rows_bf16: Callable[[int, int, int, int], None]
+    """(x, out, M, N): each of M rows of N bfloat16 values rounded to FP8 steps of its own
+    dynamic scale, as ``fake_quantize_fp8(x, per_token_fp8_scale(x))`` computes it in bfloat16
+    (the same bits)."""
     add_rms_norm_bf16: Callable[[int, int, int, int, int, int, float], None]
     """(x, d, weight, out, M, N, eps): x += d in place (rounded), then out = rms_norm(x)."""
     rope_store_bf16: Callable[..., None]
@@ -353,6 +357,7 @@ _FUNCTIONS: tuple[tuple[str, tuple[type, ...], type | None, str], ...] = (
     ("spyre_silu_mul_bf16", (_PTR, _PTR, _I64, _I64), None, "silu_mul_bf16"),
     ("spyre_rope_bf16", _ROPE, None, "rope_bf16"),
     ("spyre_fake_quantize_fp8_bf16", (_PTR, _FLOAT, _PTR, _I64), None, "fake_quantize_fp8_bf16"),
+    ("spyre_fake_quantize_fp8_rows_bf16", (_PTR, _PTR, _I64, _I64), None, "fake_quantize_fp8_rows_bf16"),
     ("spyre_add_rms_norm_bf16", (_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT), None, "add_rms_norm_bf16"),
     ("spyre_rope_store_bf16", (_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64), None, "rope_store_bf16"),
     ("spyre_rank_publish", (_PTR, _I64), None, "rank_publish"),

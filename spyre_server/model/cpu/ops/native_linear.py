@@ -148,7 +148,8 @@ class NativeFp8Linear(torch.nn.Module):
     ``NativeBf16Linear`` sums its weights, then multiplies the float32 sum by the column's scale
     before the bias: within ``NativeBf16Linear``'s bound of the exact product with the
     dequantized weights. With a static ``input_scale`` the input is first rounded to its FP8
-    steps (``fake_quantize_fp8``), as HF transformers does."""
+    steps (``fake_quantize_fp8``), with ``dynamic_inputs`` each row to the steps of its own
+    scale (``per_token_fp8_scale``), as HF transformers does."""
 
     packed: torch.Tensor
     packed_scale: torch.Tensor
@@ -163,8 +164,11 @@ class NativeFp8Linear(torch.nn.Module):
         *,
         bias: torch.Tensor | None = None,
         input_scale: torch.Tensor | None = None,
+        dynamic_inputs: bool = False,
     ) -> None:
         super().__init__()
+        if dynamic_inputs and input_scale is not None:
+            raise ValueError("an FP8 layer's input scales are static or dynamic, not both")
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise ValueError(
                 f"NativeFp8Linear takes a 2-D float8_e4m3fn weight, not {weight.dtype}"
@@ -200,13 +204,20 @@ class NativeFp8Linear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().bfloat16().contiguous()
         self.input_scale = None if input_scale is None else input_scale.detach().reshape(1)
         self._scale_value = None if input_scale is None else float(input_scale)
+        self.dynamic_inputs = dynamic_inputs
         self.kernels = kernels
         self._linear = kernels.linear_fp8
 
     @classmethod
     def of(cls, layer: Fp8Linear, kernels: NativeKernels) -> NativeFp8Linear:
         """``layer`` (an FP8 checkpoint's) on the kernel; its weight and scales shared."""
-        return cls(layer.weight, layer.weight_scale, kernels, input_scale=layer.input_scale)
+        return cls(
+            layer.weight,
+            layer.weight_scale,
+            kernels,
+            input_scale=layer.input_scale,
+            dynamic_inputs=layer.dynamic_inputs,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
@@ -214,6 +225,12 @@ class NativeFp8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.input_scale is not None:
             rows = self._fake_quantize(rows)
+        elif self.dynamic_inputs:
+            rounded = torch.empty_like(rows)
+            self.kernels.fake_quantize_fp8_rows_bf16(
+                rows.data_ptr(), rounded.data_ptr(), rows.shape[0], self.in_features
+            )
+            rows = rounded
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
         if rows.shape[0]:
             status = self._linear(
@@ -246,6 +263,7 @@ class NativeFp8Linear(torch.nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias="
             f"{self.bias is not None}, static input scale={self.input_scale is not None}, "
+            f"dynamic input scales={self.dynamic_inputs}, "
             "native fp8 weights"
         )
 

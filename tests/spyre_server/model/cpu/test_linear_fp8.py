@@ -20,7 +20,7 @@ import torch
 
 from spyre_server.model.cpu.kernels.library import NativeKernels
 from spyre_server.model.cpu.ops.native_linear import NativeFp8Linear
-from spyre_server.model.fp8 import FP8_MAX, fake_quantize_fp8
+from spyre_server.model.fp8 import FP8_MAX, InputScales, fake_quantize_fp8, per_token_fp8_scale
 from tests.conftest import needs_native_kernels
 from tests.spyre_server.model.cpu.test_linear_bf16 import (
     BF16_HALF_STEP,
@@ -187,18 +187,19 @@ def test_the_module_takes_any_leading_shape(path: NativeKernels) -> None:  # noq
         layer(x.float())
 
 
-@pytest.mark.parametrize("static_input", [True, False])
+@pytest.mark.parametrize("input_scales", ["static", "dynamic", None])
 def test_the_native_layer_of_a_checkpoint_layer_is_within_the_bound_of_hfs_formula(
     path: NativeKernels,  # noqa: F811
-    static_input: bool,
+    input_scales: InputScales,
 ) -> None:
     """``NativeFp8Linear.of(Fp8Linear)`` (what the cpu backend serves) against the loaded
     layer's own forward (HF's formula): within the bfloat16 kernel's bound plus HF's rounding
-    of each weight, with the input rounded to FP8 steps by both where the layer has a scale."""
+    of each weight, with the input rounded to FP8 steps by both where the layer has a scale
+    (static) or computes one per row (dynamic)."""
     from spyre_server.model.fp8 import Fp8Linear
 
     weight, scale = fp8_weight(320, 256, per_channel=True)
-    layer = Fp8Linear(256, 320, torch.bfloat16, input_scale=static_input)
+    layer = Fp8Linear(256, 320, torch.bfloat16, input_scales=input_scales)
     with torch.no_grad():
         layer.weight.copy_(weight)
         layer.weight_scale.copy_(scale.reshape(-1).bfloat16())
@@ -206,8 +207,15 @@ def test_the_native_layer_of_a_checkpoint_layer_is_within_the_bound_of_hfs_formu
             layer.input_scale.fill_(0.01)
     x = torch.randn(7, 256, dtype=torch.bfloat16)
     native = NativeFp8Linear.of(layer, path)
-    assert (native.input_scale is None) == (not static_input)
-    x_in = fake_quantize_fp8(x, layer.input_scale).bfloat16() if static_input else x
+    assert (native.input_scale is None) == (input_scales != "static")
+    assert native.dynamic_inputs == (input_scales == "dynamic")
+    if input_scales == "static":
+        x_in = fake_quantize_fp8(x, layer.input_scale).bfloat16()
+    elif input_scales == "dynamic":
+        x_in = fake_quantize_fp8(x, per_token_fp8_scale(x))
+        assert not torch.equal(x_in, x)
+    else:
+        x_in = x
     hf_weight = dequantized(weight, layer.weight_scale.float()[:, None]).double()
     exact = x_in.double() @ hf_weight.T
     magnitude = x_in.double().abs() @ hf_weight.abs().T
@@ -232,3 +240,48 @@ def test_the_native_input_rounding_gives_torchs_bits(path: NativeKernels, scale:
     number = ~x.isnan()
     assert torch.equal(out[number].view(torch.int16), expected[number].view(torch.int16))
     assert out[~number].isnan().all()
+
+
+def compressed_tensors_dynamic_fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' own dynamic per-token FP8 quantize-dequantize (the library HF
+    transformers runs), on ``x`` as HF's layers see it: ``[batch, tokens, hidden]``."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    args = ct.QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, dynamic=True, strategy="token"
+    )
+    scale, zero_point = compute_dynamic_scales_and_zp(x, args, module=torch.nn.Identity())
+    return fake_quantize(x, scale, zero_point, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_token_scales_are_compressed_tensors_own(dtype: torch.dtype) -> None:
+    """``fake_quantize_fp8(x, per_token_fp8_scale(x))`` against compressed-tensors' functions:
+    the same bits, with a zero token (epsilon scale) and tokens of very different sizes."""
+    x = torch.randn(1, 6, 96, dtype=dtype) * torch.tensor([1e-3, 1, 30, 0, 1e4, 2.0**-20]).to(
+        dtype
+    ).reshape(1, 6, 1)
+    ours = fake_quantize_fp8(x, per_token_fp8_scale(x))
+    theirs = compressed_tensors_dynamic_fake_quantize(x)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, x)
+    assert torch.equal(ours[0, 3], torch.zeros(96, dtype=dtype))
+
+
+def test_the_native_per_row_rounding_gives_torchs_bits(path: NativeKernels) -> None:  # noqa: F811
+    """The kernel behind dynamic input scales against ``fake_quantize_fp8(x,
+    per_token_fp8_scale(x))``: every bfloat16 bit pattern, in rows of 64 (each with its own
+    largest magnitude: zeros, subnormals, infinities), a row of zeros, and rows holding a NaN
+    (NaN throughout, as in torch)."""
+    patterns = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([patterns, torch.zeros(64, dtype=torch.bfloat16)]).reshape(-1, 64)
+    x = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))].contiguous()
+    out = torch.empty_like(x)
+    path.fake_quantize_fp8_rows_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    expected = fake_quantize_fp8(x, per_token_fp8_scale(x))
+    number = ~expected.isnan()
+    assert torch.equal(out[number].view(torch.int16), expected[number].view(torch.int16))
+    assert out[~number].isnan().all()
+    assert number.sum() > x.numel() // 2
