@@ -48,8 +48,8 @@
 // groups in as few passes as the registers allow (every weight converted once); more rows a chunk
 // of pairs at a time into the thread's scratch, which every row block then reads (and the block's
 // further row chunks on the thread, without converting again: a prefill converts each block about
-// once). A pair without exponent-0 values takes a
-// shorter conversion (sign-extend, shift, mask, rebias). The AVX2 code converts through a table.
+// once). A pair without exponent-0 values takes a shorter conversion (sign-extend, shift, mask,
+// rebias). The AVX2 code converts through a table.
 // The column's scale multiplies the float32 sum at the end:
 //     y[m][n] = bf16(acc * scale[n] + bias[n])
 // with acc the sum above over the FP8 values, each operation rounded to nearest in float32 with
