@@ -223,14 +223,8 @@ class NativeFp8Linear(torch.nn.Module):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"NativeFp8Linear computes in bfloat16; got {x.dtype} input")
         rows = x.reshape(-1, self.in_features).contiguous()
-        if self.input_scale is not None:
+        if self.input_scale is not None or self.dynamic_inputs:
             rows = self._fake_quantize(rows)
-        elif self.dynamic_inputs:
-            rounded = torch.empty_like(rows)
-            self.kernels.fake_quantize_fp8_rows_bf16(
-                rows.data_ptr(), rounded.data_ptr(), rows.shape[0], self.in_features
-            )
-            rows = rounded
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
         if rows.shape[0]:
             status = self._linear(
@@ -248,8 +242,16 @@ class NativeFp8Linear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _fake_quantize(self, rows: torch.Tensor) -> torch.Tensor:
-        """``fake_quantize_fp8(rows, input_scale)`` in bfloat16: on the native kernel for a
-        bfloat16 scale (what a loaded checkpoint holds), else in torch."""
+        """``rows`` rounded to FP8 steps in bfloat16: of each row's own scale
+        (``dynamic_inputs``, on the native kernel), or ``fake_quantize_fp8(rows, input_scale)``:
+        on the native kernel for a bfloat16 scale (what a loaded checkpoint holds), else in
+        torch."""
+        if self.dynamic_inputs:
+            out = torch.empty_like(rows)
+            self.kernels.fake_quantize_fp8_rows_bf16(
+                rows.data_ptr(), out.data_ptr(), rows.shape[0], self.in_features
+            )
+            return out
         assert self.input_scale is not None and self._scale_value is not None
         if self.input_scale.dtype != torch.bfloat16:
             return fake_quantize_fp8(rows, self.input_scale).bfloat16()
