@@ -77,6 +77,13 @@ inline float round_to_fp8(float v) {
     return copysignf(r, v);
 }
 
+// x rounded to FP8 steps of scale: bf16(fp8(clamp(bf16(x / scale), -448, 448)) * scale).
+inline uint16_t fp8_step(uint16_t x, float scale) {
+    float q = widen(round_bf16(widen(x) / scale));
+    q = q > 448.0f ? 448.0f : (q < -448.0f ? -448.0f : q);
+    return round_bf16(round_to_fp8(q) * scale);
+}
+
 }  // namespace
 
 extern "C" {
@@ -86,11 +93,7 @@ extern "C" {
 // FP8 input scale, op for op as torch computes it in bfloat16.
 void spyre_fake_quantize_fp8_bf16(const uint16_t* x, float scale, uint16_t* out, int64_t n) {
     #pragma omp parallel for schedule(static) if (n >= kParallelValues)
-    for (int64_t i = 0; i < n; i++) {
-        float q = widen(round_bf16(widen(x[i]) / scale));
-        q = q > 448.0f ? 448.0f : (q < -448.0f ? -448.0f : q);
-        out[i] = round_bf16(round_to_fp8(q) * scale);
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = fp8_step(x[i], scale);
 }
 
 // spyre_fake_quantize_fp8_bf16 for M rows of N values, each row with its own scale computed
@@ -112,11 +115,7 @@ void spyre_fake_quantize_fp8_rows_bf16(const uint16_t* x, uint16_t* out, int64_t
         if (nan) scale = widen(0x7FC0);
         if (scale == 0.0f) scale = 0x1p-7f;
         uint16_t* o = out + r * N;
-        for (int64_t j = 0; j < N; j++) {
-            float q = widen(round_bf16(widen(xr[j]) / scale));
-            q = q > 448.0f ? 448.0f : (q < -448.0f ? -448.0f : q);
-            o[j] = round_bf16(round_to_fp8(q) * scale);
-        }
+        for (int64_t j = 0; j < N; j++) o[j] = fp8_step(xr[j], scale);
     }
 }
 
