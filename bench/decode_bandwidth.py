@@ -107,6 +107,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--linear-kernel", default="auto")
+    parser.add_argument(
+        "--no-amx", action="store_true", help="model.native_amx false (AVX512-BF16 linears)"
+    )
     parser.add_argument("--fp8", action="store_true", help="also serve an FP8 quantization")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,6 +118,7 @@ def main() -> None:
         "model.dtype": args.dtype,
         "model.num_threads": args.threads,
         "model.linear_kernel": args.linear_kernel,
+        "model.native_amx": not args.no_amx,
     }
     print(f"cpu: {', '.join(sorted(cpu_flags() & {'avx2', 'avx512f', 'avx512_bf16', 'amx_bf16'}))}")
     with tempfile.TemporaryDirectory() as scratch:

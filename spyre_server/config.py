@@ -49,6 +49,7 @@ class ModelSection(_Section):
     compile_backend: Literal["eager", "inductor", "sendnn"] = "sendnn"
     linear_kernel: Literal["auto", "native", "onednn", "aten"] = "auto"
     native_avx512: bool = True
+    native_amx: bool = True
     attention_kernel: Literal["auto", "native", "amx", "avx512_bf16", "mixed", "flash"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, gt=0)

@@ -75,7 +75,9 @@ def _cpu_runner(
     window: int | None,
     group: RankGroup | None,
 ) -> CpuModelRunner:
-    kernels = NativeKernelSettings(config.model.kernel_dir, config.model.native_avx512)
+    kernels = NativeKernelSettings(
+        config.model.kernel_dir, config.model.native_avx512, config.model.native_amx
+    )
     model = cpu_inference_copy(
         loaded.model,
         linear_kernel=config.model.linear_kernel,

@@ -283,6 +283,8 @@ def cpu_inference_copy(
         use_native_elementwise(clone, kernels)
         if dtype == torch.bfloat16:
             code = ", AVX512-BF16" if kernels.linear_bf16_dot else ", AVX2"
+            if kernels.linear_bf16_on_amx:
+                code += " and AMX where the input size is a multiple of 32"
     elif kernel == "onednn":
         num_replaced = pack_linears(clone)
     else:

@@ -155,7 +155,9 @@ def _start(setup: RankSetup) -> tuple[LocalModelRunner, slice | None]:
 def _shared_sum(buffers: SharedSumBuffers, rank: int, config: Config) -> SharedSum | None:
     """The shared-memory sum, where the native kernels (its signals) load here."""
     try:
-        kernels = NativeKernelSettings(config.model.kernel_dir, config.model.native_avx512).load()
+        kernels = NativeKernelSettings(
+            config.model.kernel_dir, config.model.native_avx512, config.model.native_amx
+        ).load()
     except NativeKernelError as exc:
         logger.warning("rank %d: no shared-memory sum: %s", rank, exc)
         return None

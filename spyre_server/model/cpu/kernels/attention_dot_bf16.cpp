@@ -23,10 +23,7 @@
 // refuse (return 2), so the rest of the library still builds and runs there.
 #include <stdint.h>
 
-#if !defined(SPYRE_NO_DOT_BF16) && \
-    (defined(__clang__) ? __clang_major__ >= 12 : defined(__GNUC__) && __GNUC__ >= 11)
-#define SPYRE_DOT_BF16 1
-#endif
+#include "dot_bf16_compiled.h"
 
 #ifdef SPYRE_DOT_BF16
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")

@@ -7,8 +7,8 @@ builds anew and a stale library is never loaded. It is built with the C++ compil
 else ``g++``) the first time it is needed, or ahead of time with
 ``python -m spyre_server.model.cpu.kernels.library`` (the image does this in a build stage, so the
 server itself needs no compiler). The kernels need x86-64 with AVX2 and FMA; the AMX attention
-kernel is compiled on any x86-64 (its own target pragma) and runs where ``amx_unsupported_reason``
-says it can.
+and linear kernels are compiled on any x86-64 (their own target pragma) and run where
+``amx_unsupported_reason`` says they can.
 
 This module imports neither torch nor the package at import time, so the image's build stage
 runs it alone (with ``--into``). ``load_native_kernels`` imports torch before the library: its
@@ -36,6 +36,7 @@ KERNELS = Path(__file__).resolve().parent
 SOURCES = (
     KERNELS / "linear_f32.cpp",
     KERNELS / "linear_bf16.cpp",
+    KERNELS / "linear_amx.cpp",
     KERNELS / "attention.cpp",
     KERNELS / "elementwise_f32.cpp",
     KERNELS / "elementwise_bf16.cpp",
@@ -47,6 +48,8 @@ HEADERS = (
     KERNELS / "avx2_math.h",
     KERNELS / "bf16_avx2.h",
     KERNELS / "native_avx512.h",
+    KERNELS / "dot_bf16_compiled.h",
+    KERNELS / "linear_bf16_layout.h",
 )
 """Included by the sources: hashed into the library's name with them."""
 FLAGS = (
@@ -65,7 +68,7 @@ AVX512_BF16_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_
 """What ``kernels/attention_dot_bf16.cpp``'s AVX512-BF16 kernel runs on (compiled for them
 whatever the build machine)."""
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", *AVX512_BF16_CPU_FLAGS)
-"""What its AMX kernel runs on."""
+"""What its AMX kernel runs on, and ``kernels/linear_amx.cpp``'s."""
 DOT_BF16_NOT_COMPILED = (
     "the native kernels were compiled without AMX intrinsics, which the bfloat16 dot-product "
     "attention kernels (amx, avx512_bf16) are built with (they need g++ 11 or later)"
@@ -126,7 +129,7 @@ def unsupported_cpu_reason() -> str | None:
 
 @functools.cache
 def amx_unsupported_reason() -> str | None:
-    """Why the AMX attention kernel cannot run in this process, or None when it can: the CPU's
+    """Why the AMX kernels cannot run in this process, or None when they can: the CPU's
     flags, then Linux's grant of the AMX tile state to the process (asked for here, once; every
     thread may then use the tiles)."""
     if reason := unsupported_cpu_reason():
@@ -197,17 +200,23 @@ def build(directory: Path) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class NativeKernelSettings:
-    """How one engine's native kernels are built and run: ``model.kernel_dir`` and
-    ``model.native_avx512``. Engines in one process with different settings each keep theirs."""
+    """How one engine's native kernels are built and run: ``model.kernel_dir``,
+    ``model.native_avx512`` and ``model.native_amx``. Engines in one process with different
+    settings each keep theirs."""
 
     kernel_dir: Path | None = None
     """Where the library is built and loaded from (None: ``default_kernel_dir()``)."""
     avx512: bool = True
     """Whether the float32-compute kernels run 512 bits wide on CPUs with AVX512F."""
+    amx: bool = True
+    """Whether bfloat16 linear layers with K a multiple of 32 run on AMX tiles where the
+    process can use them (``NativeKernels.linear_bf16_on_amx``)."""
 
     def load(self) -> NativeKernels:
         """The kernels with these settings (``load_native_kernels``)."""
-        return load_native_kernels(self.kernel_dir or default_kernel_dir(), avx512=self.avx512)
+        return load_native_kernels(
+            self.kernel_dir or default_kernel_dir(), avx512=self.avx512, amx=self.amx
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +264,18 @@ class NativeKernels:
     linear_bf16_dot: bool
     """Whether ``linear_bf16`` computes with AVX512-BF16 dot products (``avx512`` and the CPU
     has AVX512-BF16), else with AVX2 and FMA."""
+    linear_bf16_amx_pack: Callable[[int, int, int, int], int]
+    """(weight, packed, N, K) -> 1, or 0 where it cannot (K not a multiple of 32, or
+    ``dot_bf16_compiled`` False): packs a contiguous bfloat16 [N, K] weight for
+    ``linear_bf16_amx`` (``linear_bf16_packed_numel`` values, 64-byte aligned)."""
+    linear_bf16_amx: Callable[[int, int, int | None, int, int, int, int], int]
+    """(x, packed, bias or None, out, M, K, N) -> 2 where it ran, 0 where it cannot (as the
+    packing): ``linear_bf16`` with the sums on AMX tiles (``kernels/linear_amx.cpp``: other bits
+    than ``linear_bf16``'s, each row's fixed whatever M); only where ``linear_bf16_on_amx``."""
+    linear_bf16_on_amx: bool
+    """Whether bfloat16 linear layers with K a multiple of 32 take ``linear_bf16_amx`` (for
+    every call): asked for (``model.native_amx``), ``linear_bf16_dot``, ``dot_bf16_compiled``,
+    and ``amx_unsupported_reason()`` is None."""
     paged_attention_scratch_numel: Callable[[int, int, int, int], int]
     """(head_dim, H, rows, threads) -> floats of scratch ``paged_attention`` needs (-1 for a
     head_dim other than 64 and 128)."""
@@ -340,6 +361,8 @@ _FUNCTIONS: tuple[tuple[str, tuple[type, ...], type | None, str], ...] = (
     ("spyre_linear_bf16_packed_numel", (_I64, _I64), _I64, "linear_bf16_packed_numel"),
     ("spyre_linear_bf16_pack", (_PTR, _PTR, _I64, _I64), None, "linear_bf16_pack"),
     ("spyre_linear_bf16", (_Width, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_bf16"),
+    ("spyre_linear_bf16_amx_pack", (_PTR, _PTR, _I64, _I64), _INT, "linear_bf16_amx_pack"),
+    ("spyre_linear_bf16_amx", (_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_bf16_amx"),
     ("spyre_linear_fp8_packed_numel", (_I64, _I64), _I64, "linear_fp8_packed_numel"),
     ("spyre_linear_fp8_pack", (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64), _I64, "linear_fp8_pack"),
     ("spyre_linear_fp8", (_Width, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_fp8"),
@@ -367,10 +390,11 @@ _FUNCTIONS: tuple[tuple[str, tuple[type, ...], type | None, str], ...] = (
 
 
 @functools.cache
-def load_native_kernels(directory: Path, *, avx512: bool = True) -> NativeKernels:
+def load_native_kernels(directory: Path, *, avx512: bool = True, amx: bool = True) -> NativeKernels:
     """Build (if needed) into ``directory`` and load the kernels, their float32-compute code 512
-    bits wide where ``avx512`` and the CPU has AVX512F; raises NativeKernelError where they
-    cannot run. One library per directory, whatever the width."""
+    bits wide where ``avx512`` and the CPU has AVX512F, bfloat16 linear layers on AMX where
+    ``amx`` and they can run (``NativeKernels.linear_bf16_on_amx``); raises NativeKernelError
+    where they cannot run. One library per directory, whatever the settings."""
     if reason := unsupported_cpu_reason():
         raise NativeKernelError(f"{_WHO} cannot run here: {reason}; set {_OTHER_KERNEL}")
     path, lib = _library(directory)
@@ -383,11 +407,13 @@ def load_native_kernels(directory: Path, *, avx512: bool = True) -> NativeKernel
         functions[field] = functools.partial(function, int(wide)) if bound else function
     compiled = lib.spyre_dot_bf16_compiled() == 1
     linear_dot = wide and lib.spyre_linear_bf16_dot_supported() == 1
+    on_amx = amx and linear_dot and compiled and amx_unsupported_reason() is None
     return NativeKernels(
         path=path,
         avx512=wide,
         dot_bf16_compiled=compiled,
         linear_bf16_dot=linear_dot,
+        linear_bf16_on_amx=on_amx,
         **functions,
     )
 

@@ -62,12 +62,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "linear_bf16_layout.h"
+
 #define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
-constexpr int64_t kBlockCols = 64;    // output columns per packed block
-constexpr int64_t kPairValues = 128;  // bfloat16 values of one pair of a block (64 columns x 2)
+using spyre_linear::blocks_of;
+using spyre_linear::kBlockCols;
+using spyre_linear::kPairValues;
+using spyre_linear::pairs_of;
+
 constexpr int64_t kDecodeRows = 16;   // up to this many rows: one row chunk (weights read once)
 constexpr int64_t kRowChunk = 48;     // rows per task above that (a multiple of both row blocks)
 constexpr int64_t kDecodePairs = 128;   // pairs per chunk of the sums, decode: 32 KB of weights
@@ -84,9 +89,6 @@ inline void stream_ahead(const void* wp) {
 }
 
 constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush to zero, denormals are zero
-
-inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
-inline int64_t blocks_of(int64_t N) { return (N + kBlockCols - 1) / kBlockCols; }
 
 // Where a task's sums go and come from.
 struct Task {
@@ -388,21 +390,7 @@ DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p
             _mm512_store_ps(sums + (r + i) * kBlockCols + j * 16, acc[i][j]);
             continue;
         }
-        const int64_t c0 = (g0 + j) * 16;
-        if (c0 >= t.cols) continue;
-        const __mmask16 valid = t.cols - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (t.cols - c0)) - 1);
-        __m512 v = acc[i][j];
-        if (t.scale != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(t.scale + c0));
-        if (t.bias != nullptr) {
-            const __m256i b = _mm256_maskz_loadu_epi16(valid, t.bias + c0);
-            v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-        }
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-        _mm256_mask_storeu_epi16(t.y + (r + i) * t.N + c0, valid, _mm512_cvtepi32_epi16(rounded));
+        spyre_linear::store_group(acc[i][j], t.scale, t.bias, (g0 + j) * 16, t.cols, t.y + (r + i) * t.N);
     }
 }
 

@@ -13,8 +13,11 @@ Both compute every output with the same arithmetic whatever the number of rows o
 - bfloat16: float32 sums in a fixed order over pairs of inputs, rounded to bfloat16 once (with
   the bias added before the rounding), denormals flushed to zero, as the AVX512-BF16 dot
   product computes them; ``kernels/linear_bf16.cpp`` states the arithmetic exactly and its
-  distance from ``F.linear``. ``F.linear`` itself (oneDNN) computes a step of one row another
-  way than a step of several, so it does not have this property.
+  distance from ``F.linear``. Where the kernels run on AMX (``linear_bf16_on_amx``), a layer
+  whose input size is a multiple of 32 sums on the tiles instead, for every call
+  (``kernels/linear_amx.cpp``: other bits, the same row invariance, a bound twice as wide for
+  the float32 sums). ``F.linear`` itself (oneDNN) computes a step of one row another way than a
+  step of several, so it does not have this property.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ _PACKED_ALIGNMENT = 64
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 """What the native linear kernels compute."""
+AMX_K_MULTIPLE = 32
+"""The AMX linear kernel's input sizes: multiples of this (whole tiles of pairs)."""
 
 
 class NativeLinear(torch.nn.Module):
@@ -84,11 +89,15 @@ class NativeLinear(torch.nn.Module):
 
 
 class NativeBf16Linear(torch.nn.Module):
-    """``F.linear`` in bfloat16 on ``kernels/linear_bf16.cpp``, the weight packed once."""
+    """``F.linear`` in bfloat16 on ``kernels/linear_bf16.cpp``, the weight packed once; on
+    ``kernels/linear_amx.cpp`` (``on_amx``) where the kernels run on AMX and the input size is a
+    multiple of 32."""
 
     packed: torch.Tensor
     kernels: NativeKernels
     """The kernels it runs on (their ``linear_bf16_dot``: AVX512-BF16 or AVX2)."""
+    on_amx: bool
+    """Whether every call sums on AMX tiles."""
     _linear: Callable[[int, int, int | None, int, int, int, int], int]
 
     def __init__(self, linear: torch.nn.Linear, kernels: NativeKernels) -> None:
@@ -105,15 +114,18 @@ class NativeBf16Linear(torch.nn.Module):
         numel = kernels.linear_bf16_packed_numel(self.out_features, self.in_features)
         packed = torch.empty(numel, dtype=torch.bfloat16)
         assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
-        kernels.linear_bf16_pack(
-            weight.data_ptr(), packed.data_ptr(), self.out_features, self.in_features
-        )
+        self.on_amx = kernels.linear_bf16_on_amx and self.in_features % AMX_K_MULTIPLE == 0
+        sizes = (weight.data_ptr(), packed.data_ptr(), self.out_features, self.in_features)
+        if not self.on_amx:
+            kernels.linear_bf16_pack(*sizes)
+        elif kernels.linear_bf16_amx_pack(*sizes) == 0:
+            raise RuntimeError("the AMX linear kernel refused to pack a weight it was checked for")
         self.register_buffer("packed", packed, persistent=False)
         self.bias = linear.bias
         # What the kernel reads: the bias as contiguous bfloat16 (the parameter itself, mostly).
         self._bias = None if linear.bias is None else linear.bias.detach().bfloat16().contiguous()
         self.kernels = kernels
-        self._linear = kernels.linear_bf16
+        self._linear = kernels.linear_bf16_amx if self.on_amx else kernels.linear_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
@@ -132,12 +144,14 @@ class NativeBf16Linear(torch.nn.Module):
             )
             if status < 0:
                 raise MemoryError("the bfloat16 linear kernel found no memory for one row")
+            if status == 0 and self.on_amx:
+                raise RuntimeError("the AMX linear kernel refused a call it was checked for")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias="
-            f"{self.bias is not None}, native bfloat16"
+            f"{self.bias is not None}, native bfloat16{' on amx' if self.on_amx else ''}"
         )
 
 

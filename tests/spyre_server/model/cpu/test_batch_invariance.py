@@ -27,6 +27,7 @@ from fms.modules.layernorm import LayerNormParameterized
 from scheduler import PrefillChunk
 from spyre_server.model.cpu.kernels.library import (
     NativeKernels,
+    amx_unsupported_reason,
     avx512_bf16_unsupported_reason,
     default_kernel_dir,
     load_native_kernels,
@@ -192,19 +193,25 @@ def test_each_elementwise_op_gives_a_row_the_same_bits_in_any_step(op: str) -> N
     assert_row_invariant(fn, x)
 
 
-@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize(
+    ("avx512", "amx"), [(True, True), (True, False), (False, False)], ids=["amx", "avx512", "avx2"]
+)
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
     [(960, 576), (576, 576), (3072, 576), (576, 1536), (3072, 2048), (2048, 8192)],
     ids=["qkv", "dense", "gate_up", "down", "2048-wide", "8192-wide"],
 )
 def test_our_linear_gives_a_row_the_same_bits_in_any_step(
-    out_features: int, in_features: int, avx512: bool
+    out_features: int, in_features: int, avx512: bool, amx: bool
 ) -> None:
     """SmolLM2's projections and a 1B model's widths: where ``F.linear`` (oneDNN) computes a
     step of one row in another order than a step of several (from K 1536 on here), ours sums
-    every output the same way; on both code paths."""
-    lib = load_native_kernels(default_kernel_dir(), avx512=avx512)
+    every output the same way; on every code path (AMX tiles where the process can use them,
+    AVX512-BF16, AVX2)."""
+    if amx and (reason := amx_unsupported_reason()) is not None:
+        pytest.skip(f"the AMX linear cannot run: {reason}")
+    lib = load_native_kernels(default_kernel_dir(), avx512=avx512, amx=amx)
+    assert lib.linear_bf16_on_amx == amx
     torch.manual_seed(out_features + in_features)
     linear = torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -41,7 +41,9 @@ BF16_HALF_STEP = 2.0**-8
 
 
 def kernels() -> NativeKernels:
-    return load_native_kernels(default_kernel_dir())
+    """The kernels with every bfloat16 layer on this file's arithmetic (``model.native_amx:
+    false``; the AMX kernel's is test_linear_amx.py's)."""
+    return load_native_kernels(default_kernel_dir(), amx=False)
 
 
 @pytest.fixture(params=["avx512_bf16", "avx2"])

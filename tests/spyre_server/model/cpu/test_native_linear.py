@@ -267,7 +267,7 @@ def test_a_failed_compile_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(native_kernels, "FLAGS", (*native_kernels.FLAGS, "-Werror=no-such-flag"))
     with pytest.raises(
         NativeKernelError,
-        match=r"compiling the native kernels \(linear_f32\.cpp, linear_bf16\.cpp, attention\.cpp, "
+        match=r"compiling the native kernels \(linear_f32\.cpp, linear_bf16\.cpp, linear_amx\.cpp, attention\.cpp, "
         r"elementwise_f32\.cpp, elementwise_bf16\.cpp, attention_dot_bf16\.cpp, rank_sync\.cpp\).*failed.*onednn",
     ):
         build(tmp_path)

@@ -1,0 +1,303 @@
+// bfloat16 linear layer y = x @ w^T (+ bias) on the AMX tile unit (TDPBF16PS).
+//
+// The weight is packed once (spyre_linear_bf16_amx_pack) in linear_bf16_layout.h's blocks of 64
+// columns, each 256 bytes a pair of K, with the bytes of every 16 pairs (4 KB) reordered into
+// four weight (B) tiles of 1 KB, one per group of 16 columns: row q of group g's tile is pair q's
+// (w[n][2p], w[n][2p + 1]) for the group's 16 columns, 64 contiguous bytes. So a tile loads from
+// contiguous memory and a block is still one sequential stream. 16 rows' next 32 values of x
+// are one A tile (x read in place).
+//
+// The arithmetic: every output is
+//     acc = +0 (float32)
+//     for s = 0 .. K / 32 - 1:  acc = TDPBF16PS(acc, x[m][32s .. 32s + 31], w[n][32s .. 32s + 31])
+//     y[m][n] = bf16(acc + bias[n])   (without a bias: bf16(acc)), rounded as torch rounds
+// TDPBF16PS adds the 32 products (each exact in float32) to acc in float32 with denormal inputs
+// and outputs flushed to zero; Intel does not fix the order or the rounding of its internal sums,
+// and they are not vdpbf16ps's (linear_bf16.cpp), so on one CPU a layer takes this kernel for
+// every call or never (the caller's choice, by K). What holds, and the tests check: one
+// instruction's result for a row depends on that row of x, the weights and acc alone, never on
+// the other rows of the tile or the call, and a partial sum stored and reloaded as float32 is
+// exact, so a row's result is the same bits whatever the call's row count, blocking and threads
+// (DESIGN §4); and each result is within linear_bf16.cpp's bound of the exact sum with float32's
+// rounding error taken as a whole unit (2^-23) a step instead of half.
+//
+// K must be a multiple of 32 (whole tiles; other layers stay on linear_bf16.cpp). Work: a call of
+// up to kDecodeRows rows computes each column block in one pass over its weights, streamed from
+// memory with software prefetch; more rows go in tasks of (one column block, up to kRowChunk
+// rows), column-block-major, one contiguous range of tasks per thread, each task's sums over
+// chunks of kChunkPairs pairs (the chunk of weights stays in L2 for all the task's rows) and
+// within a chunk 32 rows x 32 columns at a time (2 x 2 tiles).
+//
+// Only entered on CPUs with AMX-BF16 and AVX512F/BW/VL/DQ, in a process that Linux granted the
+// AMX tile state (library.amx_unsupported_reason); compiled for them whatever the build machine.
+#include <stdint.h>
+
+#include "dot_bf16_compiled.h"
+
+#ifdef SPYRE_DOT_BF16
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+#include <immintrin.h>
+#include <omp.h>
+
+#include "linear_bf16_layout.h"
+
+namespace {
+
+using spyre_linear::blocks_of;
+using spyre_linear::kBlockCols;
+using spyre_linear::kGroupCols;
+using spyre_linear::kPairValues;
+
+constexpr int64_t kTilePairs = 16;     // pairs of K per tile product (64 bytes of a row of x)
+constexpr int64_t kTileRows = 16;      // rows of x per A tile
+constexpr int64_t kDecodeRows = 16;    // up to this many rows: one row tile, one pass a block
+constexpr int64_t kRowChunk = 128;     // rows per task above that (a multiple of 2 row tiles)
+constexpr int64_t kChunkPairs = 512;   // pairs per chunk of a task's sums: 128 KB of weights
+constexpr int64_t kAheadBytes = 8192;  // a decode call's prefetch distance in a block's stream
+constexpr int64_t kPairBytes = kPairValues * 2;
+constexpr int64_t kTileRowBytes = 64;  // one pair of one group of 16 columns: a B tile's row
+constexpr int64_t kTileBytes = kTilePairs * kTileRowBytes;  // one B tile, contiguous
+constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush to zero, denormals are zero
+
+// Tiles: 0-3 sums (C), 4-5 rows of x (A), 6-7 weights (B).
+struct TileConfig {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// The calling thread's tiles for row tiles of rows0 and rows1 rows (rows1 0: one row tile, its
+// four column groups in sums 0-3; else two, sums 0-1 the first's two groups, 2-3 the second's).
+// `current` holds the shape last configured by this thread in this call (skips a reload).
+inline void configure(int rows0, int rows1, int& current) {
+    const int shape = rows0 * 32 + rows1;
+    if (shape == current) return;
+    current = shape;
+    alignas(64) TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = static_cast<uint8_t>(rows1 == 0 || t < 2 ? rows0 : rows1);
+    cfg.rows[4] = static_cast<uint8_t>(rows0);
+    cfg.rows[5] = static_cast<uint8_t>(rows1 == 0 ? rows0 : rows1);
+    cfg.rows[6] = cfg.rows[7] = kTilePairs;
+    _tile_loadconfig(&cfg);
+}
+
+// What one call reads and writes.
+struct Call {
+    const uint16_t* x;       // [M][K]
+    const uint16_t* packed;  // the packed weight
+    const uint16_t* bias;    // [N] or nullptr
+    uint16_t* y;             // [M][N]
+    int64_t M, K, N;
+};
+
+// Rows [r0, r0 + rows) of block b from the sums in `partial` (row stride kBlockCols).
+inline void finish(const Call& c, int64_t b, int64_t r0, int64_t rows, const float* partial) {
+    const int64_t c0 = b * kBlockCols;
+    const int64_t cols = c.N - c0 < kBlockCols ? c.N - c0 : kBlockCols;
+    const uint16_t* bias = c.bias == nullptr ? nullptr : c.bias + c0;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < kBlockCols / kGroupCols; g++)
+            spyre_linear::store_group(_mm512_load_ps(partial + i * kBlockCols + g * kGroupCols),
+                                      nullptr, bias, g * kGroupCols, cols,
+                                      c.y + (r0 + i) * c.N + c0);
+}
+
+// A call of up to kDecodeRows rows, block b: its four groups' sums in one pass over its pairs,
+// streamed ahead, into `partial`.
+inline void decode_block(const Call& c, int64_t b, float* partial) {
+    const int64_t P = c.K / 2;
+    const char* w = reinterpret_cast<const char*>(c.packed + b * P * kPairValues);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < P; p += kTilePairs) {
+        const char* wp = w + p * kPairBytes;
+        for (int line = 0; line < kTilePairs * kPairBytes / 64; line++)
+            _mm_prefetch(wp + kAheadBytes + 64 * line, _MM_HINT_T0);
+        _tile_loadd(4, c.x + 2 * p, c.K * 2);
+        _tile_loadd(6, wp, kTileRowBytes);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, wp + kTileBytes, kTileRowBytes);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, wp + 2 * kTileBytes, kTileRowBytes);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, wp + 3 * kTileBytes, kTileRowBytes);
+        _tile_dpbf16ps(3, 4, 7);
+    }
+    const int64_t stride = kBlockCols * 4;
+    _tile_stored(0, partial, stride);
+    _tile_stored(1, partial + 16, stride);
+    _tile_stored(2, partial + 32, stride);
+    _tile_stored(3, partial + 48, stride);
+}
+
+// Pairs [p0, p1) of rows [r, r + rows) (rows <= 2 row tiles) of a task's block `w`, added to
+// their sums in `partial` (zero first where `resume` is false). x: the task's first row.
+inline void rows_chunk(const Call& c, const uint16_t* x, const char* w, int64_t r, int64_t rows,
+                       int64_t p0, int64_t p1, bool resume, float* partial, int& shape) {
+    const int64_t stride = kBlockCols * 4, ldx = c.K * 2;
+    const uint16_t* x0 = x + r * c.K;
+    float* s0 = partial + r * kBlockCols;
+    if (rows <= kTileRows) {  // one row tile: the four groups at once
+        configure(static_cast<int>(rows), 0, shape);
+        if (resume) {
+            _tile_loadd(0, s0, stride);
+            _tile_loadd(1, s0 + 16, stride);
+            _tile_loadd(2, s0 + 32, stride);
+            _tile_loadd(3, s0 + 48, stride);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t p = p0; p < p1; p += kTilePairs) {
+            const char* wp = w + p * kPairBytes;
+            _tile_loadd(4, x0 + 2 * p, ldx);
+            _tile_loadd(6, wp, kTileRowBytes);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, wp + kTileBytes, kTileRowBytes);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, wp + 2 * kTileBytes, kTileRowBytes);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, wp + 3 * kTileBytes, kTileRowBytes);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+        _tile_stored(0, s0, stride);
+        _tile_stored(1, s0 + 16, stride);
+        _tile_stored(2, s0 + 32, stride);
+        _tile_stored(3, s0 + 48, stride);
+        return;
+    }
+    // Two row tiles (16 and rows - 16 rows) x two groups, twice.
+    configure(kTileRows, static_cast<int>(rows - kTileRows), shape);
+    const uint16_t* x1 = x0 + kTileRows * c.K;
+    float* s1 = s0 + kTileRows * kBlockCols;
+    for (int64_t g = 0; g < 4; g += 2) {
+        const int64_t col = g * kGroupCols;
+        if (resume) {
+            _tile_loadd(0, s0 + col, stride);
+            _tile_loadd(1, s0 + col + 16, stride);
+            _tile_loadd(2, s1 + col, stride);
+            _tile_loadd(3, s1 + col + 16, stride);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t p = p0; p < p1; p += kTilePairs) {
+            const char* wp = w + p * kPairBytes + kTileBytes * g;
+            _tile_loadd(4, x0 + 2 * p, ldx);
+            _tile_loadd(5, x1 + 2 * p, ldx);
+            _tile_loadd(6, wp, kTileRowBytes);
+            _tile_loadd(7, wp + kTileBytes, kTileRowBytes);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, s0 + col, stride);
+        _tile_stored(1, s0 + col + 16, stride);
+        _tile_stored(2, s1 + col, stride);
+        _tile_stored(3, s1 + col + 16, stride);
+    }
+}
+
+// Rows [r0, r0 + rows) of block b (a task of more than kDecodeRows rows in all).
+inline void task(const Call& c, int64_t b, int64_t r0, int64_t rows, float* partial, int& shape) {
+    const int64_t P = c.K / 2;
+    const char* w = reinterpret_cast<const char*>(c.packed + b * P * kPairValues);
+    const uint16_t* x = c.x + r0 * c.K;
+    for (int64_t p0 = 0; p0 < P; p0 += kChunkPairs) {
+        const int64_t p1 = P - p0 < kChunkPairs ? P : p0 + kChunkPairs;
+        for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
+            const int64_t n = rows - r < 2 * kTileRows ? rows - r : 2 * kTileRows;
+            rows_chunk(c, x, w, r, n, p0, p1, p0 > 0, partial, shape);
+        }
+    }
+    finish(c, b, r0, rows, partial);
+}
+
+void linear(const Call& c) {
+    const bool decode = c.M <= kDecodeRows;
+    const int64_t row_chunk = decode ? c.M : kRowChunk;
+    const int64_t num_chunks = (c.M + row_chunk - 1) / row_chunk, blocks = blocks_of(c.N);
+    const int64_t tasks = blocks * num_chunks;
+    #pragma omp parallel
+    {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | kFlushDenormals);
+        alignas(64) float partial[kRowChunk * kBlockCols];
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
+        int shape = -1;
+        if (decode && first < last) configure(static_cast<int>(c.M), 0, shape);
+        for (int64_t t = first; t < last; t++) {
+            const int64_t b = t / num_chunks, r0 = t % num_chunks * row_chunk;
+            if (decode) {
+                decode_block(c, b, partial);
+                finish(c, b, 0, c.M, partial);
+                continue;
+            }
+            task(c, b, r0, c.M - r0 < row_chunk ? c.M - r0 : row_chunk, partial, shape);
+        }
+        if (shape != -1) _tile_release();
+        _mm_setcsr(csr);
+    }
+}
+
+}  // namespace
+#endif  // SPYRE_DOT_BF16
+
+extern "C" {
+
+// w: [N][K] row-major bfloat16 with K a multiple of 32; packed:
+// spyre_linear_bf16_packed_numel(N, K) values, 64-byte aligned. Returns 1, or 0 (nothing
+// written) for another K or where the kernel was not compiled.
+int spyre_linear_bf16_amx_pack(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K) {
+#ifdef SPYRE_DOT_BF16
+    if (K % (2 * kTilePairs) != 0) return 0;
+    const int64_t P = K / 2, blocks = blocks_of(N);
+    constexpr int64_t kTileValues = kTileBytes / 2, kRowValues = kTileRowBytes / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t p = 0; p < P; p++) {
+            uint16_t* step = packed + (b * P + p / kTilePairs * kTilePairs) * kPairValues;
+            for (int64_t c = 0; c < kBlockCols; c++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t n = b * kBlockCols + c, k = 2 * p + e;
+                    step[c / kGroupCols * kTileValues + p % kTilePairs * kRowValues +
+                         c % kGroupCols * 2 + e] = n < N ? w[n * K + k] : 0;
+                }
+        }
+    return 1;
+#else
+    (void)w, (void)packed, (void)N, (void)K;
+    return 0;
+#endif
+}
+
+// y [M][N] = x [M][K] @ w^T (+ bias [N] where bias is not null), all bfloat16, contiguous, on AMX
+// tiles as the arithmetic above says; packed: spyre_linear_bf16_amx_pack's form of w. Returns 2
+// where it ran; 0, y unwritten, where it cannot: K not a multiple of 32, or built without AMX
+// intrinsics (spyre_dot_bf16_compiled() 0). The caller checks the CPU and the process's AMX
+// permission first.
+int spyre_linear_bf16_amx(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
+                          uint16_t* y, int64_t M, int64_t K, int64_t N) {
+#ifdef SPYRE_DOT_BF16
+    if (K % (2 * kTilePairs) != 0) return 0;
+    if (M > 0 && N > 0) linear(Call{x, packed, bias, y, M, K, N});
+    return 2;
+#else
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)K, (void)N;
+    return 0;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,194 @@
+"""Our bfloat16 linear kernel on AMX tiles (``kernels/linear_amx.cpp``, ``NativeBf16Linear`` with
+``on_amx``): which layers take it, and what it computes.
+
+Intel does not fix the order or rounding of TDPBF16PS's internal float32 sums, so there is no
+step-by-step contract to compare bits with. Oracles instead:
+- sums that are exact in float32 (small integers): every order gives the exact value, so the
+  kernel's bits equal ``F.linear`` in float64's, rounded once (this pins how the packed weight is
+  read: any misplaced pair or column changes a sum);
+- ``F.linear`` in float64: within the bound of ``test_linear_bf16.bound`` with a whole float32
+  unit (2^-23) a step instead of half, element by element;
+- the same rows in calls of other sizes and thread counts: the same bits (no tolerance);
+- denormal inputs count as zero, as the kernel's contract says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spyre_server.model.cpu.kernels.library import (
+    NativeKernels,
+    default_kernel_dir,
+    load_native_kernels,
+)
+from spyre_server.model.cpu.ops.native_linear import AMX_K_MULTIPLE, NativeBf16Linear
+from spyre_server.model.cpu.prepare import cpu_inference_copy
+from tests.conftest import needs_amx, needs_native_kernels
+from tests.spyre_server.model.cpu.test_aten_decoder import BF16_LOGIT_TOL
+from tests.spyre_server.model.cpu.test_linear_bf16 import bf16_linear, contract
+
+pytestmark = [needs_native_kernels, needs_amx]
+EPS32_UNIT = 2.0**-23
+BF16_HALF_STEP = 2.0**-8
+
+
+def kernels() -> NativeKernels:
+    lib = load_native_kernels(default_kernel_dir())
+    assert lib.linear_bf16_on_amx, "an AMX process's default kernels take AMX"
+    return lib
+
+
+def amx_linear(linear: torch.nn.Linear) -> NativeBf16Linear:
+    native = NativeBf16Linear(linear, kernels())
+    assert native.on_amx
+    return native
+
+
+def bound(x: torch.Tensor, linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the exact result in float64, how far the kernel may be from it)."""
+    w = linear.weight.detach().double()
+    b = None if linear.bias is None else linear.bias.detach().double()
+    exact = F.linear(x.double(), w, b)
+    magnitude = F.linear(x.double().abs(), w.abs(), None if b is None else b.abs())
+    accumulated = (x.shape[-1] + 2) * EPS32_UNIT * magnitude
+    return exact, accumulated + BF16_HALF_STEP * (exact.abs() + accumulated)
+
+
+SHAPES = [
+    (64, 32, False),  # one tile of pairs, one column block
+    (100, 64, True),  # a partial second column block
+    (130, 96, True),
+    (70, 320, True),
+    (200, 1088, False),  # 544 pairs: a prefill task's sums in two chunks (512 + 32)
+]
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), SHAPES)
+def test_integer_sums_are_exact(out_features: int, in_features: int, bias: bool) -> None:
+    """Small integers: every partial sum is exact in float32 (|sum| < 2^24), whatever order the
+    tiles add in, so each output is the exact sum rounded once to bfloat16: decode-sized and
+    prefill-sized calls (one and two row tiles, partial tiles)."""
+    torch.manual_seed(in_features)
+    linear = bf16_linear(out_features, in_features, bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randint(-8, 9, linear.weight.shape))
+        if linear.bias is not None:
+            linear.bias.copy_(torch.randint(-100, 101, linear.bias.shape))
+    native = amx_linear(linear)
+    for rows in (1, 7, 16, 17, 40, 129):
+        x = torch.randint(-8, 9, (rows, in_features)).bfloat16()
+        exact = F.linear(
+            x.double(),
+            linear.weight.double(),
+            None if linear.bias is None else linear.bias.double(),
+        )
+        with torch.inference_mode():
+            assert torch.equal(native(x), exact.bfloat16()), rows
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), SHAPES)
+def test_each_result_is_within_the_bound(out_features: int, in_features: int, bias: bool) -> None:
+    linear = bf16_linear(out_features, in_features, bias, seed=out_features)
+    x = torch.randn(300, in_features).bfloat16()
+    with torch.inference_mode():
+        out = amx_linear(linear)(x)
+    exact, allowed = bound(x, linear)
+    assert ((out.double() - exact).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), SHAPES)
+def test_a_row_has_the_same_bits_in_a_call_of_any_size(
+    out_features: int, in_features: int, bias: bool
+) -> None:
+    """Every row computed in calls of other sizes (decode-sized, one and two row tiles, several
+    tasks) and on one thread or two gives the bits of one 300-row call."""
+    linear = bf16_linear(out_features, in_features, bias, seed=in_features)
+    native = amx_linear(linear)
+    x = torch.randn(300, in_features).bfloat16()
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        full = native(x).view(torch.int16)
+        try:
+            for num_threads in (1, 2):
+                torch.set_num_threads(num_threads)
+                for rows in (1, 5, 16, 17, 31, 32, 33, 100, 129, 130, 300):
+                    for start in sorted({0, 3, 300 - rows}):
+                        part = native(x[start : start + rows].contiguous()).view(torch.int16)
+                        assert torch.equal(part, full[start : start + rows]), (rows, start)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_denormal_inputs_count_as_zero_and_nan_stays_in_its_row() -> None:
+    linear = bf16_linear(80, 64, bias=True, seed=5)
+    native = amx_linear(linear)
+    x = torch.randn(20, 64)
+    x[0] = 2.0**-130  # every input denormal in bfloat16
+    x[1, 9] = float("nan")
+    x = x.bfloat16()
+    assert x[0].float().abs().max() < 2.0**-126 and (x[0] != 0).all()
+    with torch.inference_mode():
+        out = native(x)
+    assert torch.equal(out[0], linear.bias.detach())  # bf16(0 + bias)
+    assert out[1].isnan().all() and not out[2:].isnan().any()
+
+
+def test_the_kernel_refuses_an_input_size_that_is_not_whole_tiles() -> None:
+    """K not a multiple of 32: the packing and the kernel return 0 and write nothing; K 32
+    writes exactly the outputs."""
+    lib = kernels()
+    for k, ran in ((48, 0), (32, 2)):
+        linear = bf16_linear(70, k, seed=k)
+        numel = lib.linear_bf16_packed_numel(70, k)
+        packed = torch.full((numel,), float("nan"), dtype=torch.bfloat16)
+        weight = linear.weight.detach().data_ptr()
+        assert lib.linear_bf16_amx_pack(weight, packed.data_ptr(), 70, k) == ran // 2
+        assert packed.isnan().all() == (ran == 0)
+        x = torch.randn(3, k).bfloat16()
+        canvas = torch.full((3 * 70 + 64,), float("nan"), dtype=torch.bfloat16)
+        status = lib.linear_bf16_amx(
+            x.data_ptr(), packed.data_ptr(), None, canvas.data_ptr(), 3, k, 70
+        )
+        assert status == ran
+        assert canvas[3 * 70 :].isnan().all()
+        assert canvas[: 3 * 70].isnan().all() == (ran == 0)
+
+
+def test_a_layer_takes_amx_only_for_whole_tiles_and_when_asked() -> None:
+    """Input size a multiple of 32 on AMX (every call); other sizes, and every layer of kernels
+    loaded with ``amx=False`` (``model.native_amx: false``), keep linear_bf16.cpp's exact
+    arithmetic."""
+    assert AMX_K_MULTIPLE == 32
+    whole, odd = bf16_linear(40, 96, True, seed=1), bf16_linear(40, 90, True, seed=2)
+    assert NativeBf16Linear(whole, kernels()).on_amx
+    assert "on amx" in repr(NativeBf16Linear(whole, kernels()))
+    off = load_native_kernels(default_kernel_dir(), amx=False)
+    assert not off.linear_bf16_on_amx and off.linear_bf16_dot
+    x = torch.randn(9, 96).bfloat16()
+    with torch.inference_mode():
+        for linear, lib in ((odd, kernels()), (whole, off)):
+            native = NativeBf16Linear(linear, lib)
+            assert not native.on_amx and "on amx" not in repr(native)
+            rows = x[:, : linear.in_features].contiguous()
+            assert torch.equal(native(rows), contract(rows, linear))
+
+
+def test_a_bfloat16_copy_runs_its_whole_tile_layers_on_amx(tiny_llama_factory: Any) -> None:
+    """``linear_kernel: auto`` in an AMX process: the layers whose input size is a multiple of 32
+    take AMX, and the logits stay within bfloat16's precision of the float32 model's."""
+    model = tiny_llama_factory()
+    copy = cpu_inference_copy(
+        tiny_llama_factory().to(torch.bfloat16), linear_kernel="auto", dtype=torch.bfloat16
+    )
+    linears = [m for m in copy.modules() if isinstance(m, NativeBf16Linear)]
+    assert linears and all(m.on_amx == (m.in_features % 32 == 0) for m in linears)
+    assert any(m.on_amx for m in linears)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours, theirs = copy(ids), model(ids)
+    ours, theirs = (x[0] if isinstance(x, tuple) else x for x in (ours, theirs))
+    assert (ours.float() - theirs).abs().max() <= BF16_LOGIT_TOL
