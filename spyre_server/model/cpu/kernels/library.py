@@ -261,6 +261,14 @@ class NativeKernels:
     """(x, packed, packed_scale, bias or None, out, M, K, N) -> as ``linear_bf16`` on the FP8
     values (exact in bfloat16), with each float32 sum times its column's scale before the bias:
     out = bf16(sum * scale[n] + bias[n]) (``kernels/linear_bf16.cpp``)."""
+    linear_fp8_amx_pack: Callable[[int, int, int, int, int, int, int], int]
+    """``linear_fp8_pack`` for ``linear_fp8_amx`` (K a multiple of 32; -1, nothing written,
+    for another K or where ``dot_bf16_compiled`` is False)."""
+    linear_fp8_amx: Callable[[int, int, int, int | None, int, int, int, int], int]
+    """(x, packed, packed_scale, bias or None, out, M, K, N) -> 2 where it ran, 0 where it
+    cannot (as the packing), -1 where it found no memory: ``linear_bf16_amx`` on the FP8 values
+    (exact in bfloat16), each sum times its column's scale before the bias
+    (``kernels/linear_amx.cpp``); only where ``linear_bf16_on_amx``."""
     linear_bf16_dot: bool
     """Whether ``linear_bf16`` computes with AVX512-BF16 dot products (``avx512`` and the CPU
     has AVX512-BF16), else with AVX2 and FMA."""
@@ -273,8 +281,8 @@ class NativeKernels:
     packing): ``linear_bf16`` with the sums on AMX tiles (``kernels/linear_amx.cpp``: other bits
     than ``linear_bf16``'s, each row's fixed whatever M); only where ``linear_bf16_on_amx``."""
     linear_bf16_on_amx: bool
-    """Whether bfloat16 linear layers with K a multiple of 32 take ``linear_bf16_amx`` (for
-    every call): asked for (``model.native_amx``), ``linear_bf16_dot``, ``dot_bf16_compiled``,
+    """Whether bfloat16 and FP8 linear layers with K a multiple of 32 take ``linear_bf16_amx``
+    and ``linear_fp8_amx`` (for every call): asked for (``model.native_amx``), ``linear_bf16_dot``, ``dot_bf16_compiled``,
     and ``amx_unsupported_reason()`` is None."""
     paged_attention_scratch_numel: Callable[[int, int, int, int], int]
     """(head_dim, H, rows, threads) -> floats of scratch ``paged_attention`` needs (-1 for a
@@ -366,6 +374,8 @@ _FUNCTIONS: tuple[tuple[str, tuple[type, ...], type | None, str], ...] = (
     ("spyre_linear_fp8_packed_numel", (_I64, _I64), _I64, "linear_fp8_packed_numel"),
     ("spyre_linear_fp8_pack", (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64), _I64, "linear_fp8_pack"),
     ("spyre_linear_fp8", (_Width, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_fp8"),
+    ("spyre_linear_fp8_amx_pack", (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64), _I64, "linear_fp8_amx_pack"),
+    ("spyre_linear_fp8_amx", (_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT, "linear_fp8_amx"),
     ("spyre_paged_attention_f32_scratch_numel", _SIZES, _I64, "paged_attention_scratch_numel"),
     ("spyre_paged_attention_f32", (_Width, *_ATTENTION), _INT, "paged_attention"),
     ("spyre_paged_attention_bf16", (_Width, *_ATTENTION), _INT, "paged_attention_bf16"),

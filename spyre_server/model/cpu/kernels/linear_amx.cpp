@@ -21,6 +21,14 @@
 // (DESIGN §4); and each result is within linear_bf16.cpp's bound of the exact sum with float32's
 // rounding error taken as a whole unit (2^-23) a step instead of half.
 //
+// FP8 weights (float8_e4m3fn, a float32 scale per column: linear_bf16.cpp's FP8 form) are packed
+// in the same order, one byte a value, then a byte per 16 pairs of a block saying whether one of
+// their values has exponent 0. Every float8_e4m3fn value is exactly a bfloat16 value, so the
+// kernel converts them (fp8_bf16.h, no rounding) and sums as above, then multiplies the float32
+// sum by the column's scale before the bias: y[m][n] = bf16(acc * scale[n] + bias[n]). A decode
+// call converts each 16 pairs into 4 KB that the tiles load from L1 (a step reads one byte a
+// weight); more rows convert each block once per thread, whole, for its row chunks.
+//
 // K must be a multiple of 32 (whole tiles; other layers stay on linear_bf16.cpp). Work: a call of
 // up to kDecodeRows rows computes each column block in one pass over its weights, streamed from
 // memory with software prefetch; more rows go in tasks of (one column block, up to kRowChunk
@@ -39,11 +47,15 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <stdlib.h>
+
+#include "fp8_bf16.h"
 #include "linear_bf16_layout.h"
 
 namespace {
 
 using spyre_linear::blocks_of;
+using spyre_linear::Fp8ToBf16;
 using spyre_linear::kBlockCols;
 using spyre_linear::kGroupCols;
 using spyre_linear::kPairValues;
@@ -54,9 +66,13 @@ constexpr int64_t kDecodeRows = 16;    // up to this many rows: one row tile, on
 constexpr int64_t kRowChunk = 128;     // rows per task above that (a multiple of 2 row tiles)
 constexpr int64_t kChunkPairs = 512;   // pairs per chunk of a task's sums: 128 KB of weights
 constexpr int64_t kAheadBytes = 8192;  // a decode call's prefetch distance in a block's stream
+constexpr int64_t kFp8FarBytes = 32768;  // ... and FP8 weights' second, into L3
 constexpr int64_t kPairBytes = kPairValues * 2;
 constexpr int64_t kTileRowBytes = 64;  // one pair of one group of 16 columns: a B tile's row
 constexpr int64_t kTileBytes = kTilePairs * kTileRowBytes;  // one B tile, contiguous
+constexpr int64_t kStepValues = kTilePairs * kPairValues;  // values of 16 pairs of a block: 4 tiles
+constexpr int64_t kRingSteps = 4;     // FP8 decode: 16-pair steps converted, in a ring (16 KB)
+constexpr int64_t kConvertAhead = 2;  // ... this many steps ahead of the tiles that read them
 constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush to zero, denormals are zero
 
 // Tiles: 0-3 sums (C), 4-5 rows of x (A), 6-7 weights (B).
@@ -88,37 +104,88 @@ inline void configure(int rows0, int rows1, int& current) {
 // What one call reads and writes.
 struct Call {
     const uint16_t* x;       // [M][K]
-    const uint16_t* packed;  // the packed weight
+    const uint16_t* packed;  // the packed bfloat16 weight, or nullptr for FP8 weights
+    const uint8_t* fp8;      // the packed FP8 weight (then a byte per 16 pairs of a block), or nullptr
+    const float* scale;      // FP8: the column scales (64 a block), else nullptr
     const uint16_t* bias;    // [N] or nullptr
     uint16_t* y;             // [M][N]
     int64_t M, K, N;
+
+    // FP8: whether a value of the 16 pairs from p of block b has exponent 0.
+    bool zero_exponent(int64_t b, int64_t p) const {
+        const int64_t P = K / 2;
+        return fp8[blocks_of(N) * P * kPairValues + (b * P + p) / kTilePairs] != 0;
+    }
 };
+
+// FP8: the 16-pair steps [s0, s1) of block b (tile order kept) as bfloat16 into dst (step s0 at
+// dst), exact; the short conversion for steps without exponent-0 values.
+inline void convert_steps(const Call& c, const Fp8ToBf16& convert, int64_t b, int64_t s0,
+                          int64_t s1, uint16_t* dst) {
+    const int64_t P = c.K / 2;
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t* src = c.fp8 + (b * P + s * kTilePairs) * kPairValues;
+        uint16_t* out = dst + (s - s0) * kStepValues;
+        if (__builtin_expect(c.zero_exponent(b, s * kTilePairs), 0)) {
+            for (int64_t v = 0; v < kStepValues; v += 32)
+                _mm512_store_si512(out + v, convert(src + v));
+        } else {
+            for (int64_t v = 0; v < kStepValues; v += 32)
+                _mm512_store_si512(out + v, convert.normal(src + v));
+        }
+    }
+}
 
 // Rows [r0, r0 + rows) of block b from the sums in `partial` (row stride kBlockCols).
 inline void finish(const Call& c, int64_t b, int64_t r0, int64_t rows, const float* partial) {
     const int64_t c0 = b * kBlockCols;
     const int64_t cols = c.N - c0 < kBlockCols ? c.N - c0 : kBlockCols;
     const uint16_t* bias = c.bias == nullptr ? nullptr : c.bias + c0;
+    const float* scale = c.scale == nullptr ? nullptr : c.scale + c0;
     for (int64_t i = 0; i < rows; i++)
         for (int64_t g = 0; g < kBlockCols / kGroupCols; g++)
             spyre_linear::store_group(_mm512_load_ps(partial + i * kBlockCols + g * kGroupCols),
-                                      nullptr, bias, g * kGroupCols, cols,
+                                      scale, bias, g * kGroupCols, cols,
                                       c.y + (r0 + i) * c.N + c0);
 }
 
+// A decode call's software prefetch for the step_bytes of weights at wp (one 16-pair step):
+// bfloat16 weights into L1 kAheadBytes ahead; FP8 ones (converted before the tiles read them,
+// which leaves the stream less time) also into L3 kFp8FarBytes ahead. A prefetch past the
+// weights' end faults nothing.
+inline void stream_ahead(const char* wp, int64_t step_bytes, bool fp8) {
+    for (int64_t line = 0; line < step_bytes; line += 64) {
+        _mm_prefetch(wp + kAheadBytes + line, _MM_HINT_T0);
+        if (fp8) _mm_prefetch(wp + kFp8FarBytes + line, _MM_HINT_T2);
+    }
+}
+
 // A call of up to kDecodeRows rows, block b: its four groups' sums in one pass over its pairs,
-// streamed ahead, into `partial`.
-inline void decode_block(const Call& c, int64_t b, float* partial) {
+// streamed ahead, into `partial`. FP8: each 16 pairs converted into `step` (4 KB, stays in L1)
+// and the tiles loaded from there.
+inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8ToBf16& convert,
+                         uint16_t* ring) {
     const int64_t P = c.K / 2;
-    const char* w = reinterpret_cast<const char*>(c.packed + b * P * kPairValues);
+    const bool fp8 = c.fp8 != nullptr;
+    const char* w = fp8 ? reinterpret_cast<const char*>(c.fp8 + b * P * kPairValues)
+                        : reinterpret_cast<const char*>(c.packed + b * P * kPairValues);
+    const int64_t step_bytes = fp8 ? kStepValues : 2 * kStepValues;  // of w, per 16 pairs
+    const int64_t S = P / kTilePairs;
+    for (int64_t s = 0; fp8 && s < kConvertAhead && s < S; s++)
+        convert_steps(c, convert, b, s, s + 1, ring + s % kRingSteps * kStepValues);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t p = 0; p < P; p += kTilePairs) {
-        const char* wp = w + p * kPairBytes;
-        for (int line = 0; line < kTilePairs * kPairBytes / 64; line++)
-            _mm_prefetch(wp + kAheadBytes + 64 * line, _MM_HINT_T0);
+        const int64_t s = p / kTilePairs;
+        const char* wp = w + s * step_bytes;
+        stream_ahead(wp, step_bytes, fp8);
+        if (fp8) {
+            const int64_t next = s + kConvertAhead;
+            if (next < S) convert_steps(c, convert, b, next, next + 1, ring + next % kRingSteps * kStepValues);
+            wp = reinterpret_cast<const char*>(ring + s % kRingSteps * kStepValues);
+        }
         _tile_loadd(4, c.x + 2 * p, c.K * 2);
         _tile_loadd(6, wp, kTileRowBytes);
         _tile_dpbf16ps(0, 4, 6);
@@ -209,10 +276,11 @@ inline void rows_chunk(const Call& c, const uint16_t* x, const char* w, int64_t 
     }
 }
 
-// Rows [r0, r0 + rows) of block b (a task of more than kDecodeRows rows in all).
-inline void task(const Call& c, int64_t b, int64_t r0, int64_t rows, float* partial, int& shape) {
+// Rows [r0, r0 + rows) of block b (a task of more than kDecodeRows rows in all), its bfloat16
+// weights at w (FP8: the block converted).
+inline void task(const Call& c, int64_t b, const char* w, int64_t r0, int64_t rows,
+                 float* partial, int& shape) {
     const int64_t P = c.K / 2;
-    const char* w = reinterpret_cast<const char*>(c.packed + b * P * kPairValues);
     const uint16_t* x = c.x + r0 * c.K;
     for (int64_t p0 = 0; p0 < P; p0 += kChunkPairs) {
         const int64_t p1 = P - p0 < kChunkPairs ? P : p0 + kChunkPairs;
@@ -224,32 +292,65 @@ inline void task(const Call& c, int64_t b, int64_t r0, int64_t rows, float* part
     finish(c, b, r0, rows, partial);
 }
 
-void linear(const Call& c) {
+// The calling thread's bfloat16 copy of one FP8 block of P pairs (kept and grown); nullptr
+// without memory.
+inline uint16_t* block_scratch(int64_t P) {
+    thread_local uint16_t* buffer = nullptr;
+    thread_local int64_t capacity = 0;
+    if (P > capacity) {
+        free(buffer);
+        buffer = static_cast<uint16_t*>(aligned_alloc(64, P * kPairValues * 2));
+        capacity = buffer == nullptr ? 0 : P;
+    }
+    return buffer;
+}
+
+// Every task of a call: one contiguous range of the column-block-major tasks per thread. FP8
+// above kDecodeRows rows: a thread converts a block once into its scratch for the block's row
+// chunks it computes. Returns false, y partly written, where a thread found no memory for that.
+bool linear(const Call& c) {
     const bool decode = c.M <= kDecodeRows;
     const int64_t row_chunk = decode ? c.M : kRowChunk;
     const int64_t num_chunks = (c.M + row_chunk - 1) / row_chunk, blocks = blocks_of(c.N);
-    const int64_t tasks = blocks * num_chunks;
-    #pragma omp parallel
+    const int64_t tasks = blocks * num_chunks, P = c.K / 2;
+    bool no_memory = false;
+    #pragma omp parallel reduction(|| : no_memory)
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | kFlushDenormals);
         alignas(64) float partial[kRowChunk * kBlockCols];
+        alignas(64) uint16_t ring[kRingSteps * kStepValues];  // FP8 decode: converted steps
+        const Fp8ToBf16 convert;
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
+        uint16_t* block = nullptr;  // FP8 prefill: the thread's converted block
+        if (c.fp8 != nullptr && !decode && first < last) {
+            block = block_scratch(P);
+            no_memory = block == nullptr;
+        }
+        int64_t converted = -1;  // the block it holds
         int shape = -1;
         if (decode && first < last) configure(static_cast<int>(c.M), 0, shape);
-        for (int64_t t = first; t < last; t++) {
+        for (int64_t t = first; t < last && !no_memory; t++) {
             const int64_t b = t / num_chunks, r0 = t % num_chunks * row_chunk;
             if (decode) {
-                decode_block(c, b, partial);
+                decode_block(c, b, partial, convert, ring);
                 finish(c, b, 0, c.M, partial);
                 continue;
             }
-            task(c, b, r0, c.M - r0 < row_chunk ? c.M - r0 : row_chunk, partial, shape);
+            const uint16_t* w = c.packed + b * P * kPairValues;
+            if (c.fp8 != nullptr) {
+                if (converted != b) convert_steps(c, convert, b, 0, P / kTilePairs, block);
+                converted = b;
+                w = block;
+            }
+            const int64_t rows = c.M - r0 < row_chunk ? c.M - r0 : row_chunk;
+            task(c, b, reinterpret_cast<const char*>(w), r0, rows, partial, shape);
         }
         if (shape != -1) _tile_release();
         _mm_setcsr(csr);
     }
+    return !no_memory;
 }
 
 }  // namespace
@@ -292,10 +393,67 @@ int spyre_linear_bf16_amx(const uint16_t* x, const uint16_t* packed, const uint1
                           uint16_t* y, int64_t M, int64_t K, int64_t N) {
 #ifdef SPYRE_DOT_BF16
     if (K % (2 * kTilePairs) != 0) return 0;
-    if (M > 0 && N > 0) linear(Call{x, packed, bias, y, M, K, N});
+    if (M > 0 && N > 0) linear(Call{x, packed, nullptr, nullptr, bias, y, M, K, N});
     return 2;
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)K, (void)N;
+    return 0;
+#endif
+}
+
+// FP8 weights: w [N][K] row-major float8_e4m3fn (K a multiple of 32), scale N float32 values
+// or 1 (one for every column), packed in spyre_linear_bf16_amx_pack's order with one byte a
+// value, then a byte per 16 pairs of a block (whether a value has exponent 0):
+// spyre_linear_fp8_packed_numel(N, K) bytes, 64-byte aligned; packed_scale: blocks_of(N) * 64
+// floats (zero past N). Returns how many values of w are NaN (0x7F, 0xFF; the packing is
+// unusable unless 0), or -1, nothing written, for another K or where the kernel was not compiled.
+int64_t spyre_linear_fp8_amx_pack(const uint8_t* w, const float* scale, int64_t num_scales,
+                                  uint8_t* packed, float* packed_scale, int64_t N, int64_t K) {
+#ifdef SPYRE_DOT_BF16
+    if (K % (2 * kTilePairs) != 0) return -1;
+    const int64_t P = K / 2, blocks = blocks_of(N);
+    constexpr int64_t kTileValues = kTileBytes / 2, kRowValues = kTileRowBytes / 2;
+    int64_t nan = 0;
+    #pragma omp parallel for schedule(static) reduction(+ : nan)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t c = 0; c < kBlockCols; c++) {
+            const int64_t n = b * kBlockCols + c;
+            packed_scale[n] = n < N ? scale[num_scales == 1 ? 0 : n] : 0.0f;
+        }
+        for (int64_t s = 0; s < P / kTilePairs; s++) {
+            uint8_t* step = packed + (b * P + s * kTilePairs) * kPairValues;
+            uint8_t zero_exponent = 0;
+            for (int64_t q = 0; q < kTilePairs; q++)
+                for (int64_t c = 0; c < kBlockCols; c++)
+                    for (int64_t e = 0; e < 2; e++) {
+                        const int64_t n = b * kBlockCols + c, k = 2 * (s * kTilePairs + q) + e;
+                        const uint8_t v = n < N ? w[n * K + k] : 0;
+                        nan += (v & 0x7F) == 0x7F;
+                        zero_exponent |= (v & 0x78) == 0;
+                        step[c / kGroupCols * kTileValues + q * kRowValues + c % kGroupCols * 2 + e] = v;
+                    }
+            packed[blocks * P * kPairValues + (b * P) / kTilePairs + s] = zero_exponent;
+        }
+    }
+    return nan;
+#else
+    (void)w, (void)scale, (void)num_scales, (void)packed, (void)packed_scale, (void)N, (void)K;
+    return -1;
+#endif
+}
+
+// spyre_linear_bf16_amx with FP8 weights (packed by spyre_linear_fp8_amx_pack), each converted
+// to bfloat16 (exact) before the tiles sum them, and the sums times the column scales before the
+// bias: y = bf16(acc * scale[n] + bias[n]). Returns 2 where it ran, 0 where it cannot (as the
+// packing), -1 where a thread found no memory for its converted block (y partly written).
+int spyre_linear_fp8_amx(const uint16_t* x, const uint8_t* packed, const float* scale,
+                         const uint16_t* bias, uint16_t* y, int64_t M, int64_t K, int64_t N) {
+#ifdef SPYRE_DOT_BF16
+    if (K % (2 * kTilePairs) != 0) return 0;
+    if (M == 0 || N == 0) return 2;
+    return linear(Call{x, nullptr, packed, scale, bias, y, M, K, N}) ? 2 : -1;
+#else
+    (void)x, (void)packed, (void)scale, (void)bias, (void)y, (void)M, (void)K, (void)N;
     return 0;
 #endif
 }

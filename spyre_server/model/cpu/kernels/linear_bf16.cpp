@@ -62,6 +62,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "fp8_bf16.h"
 #include "linear_bf16_layout.h"
 
 #define UNROLL _Pragma("GCC unroll 16")
@@ -69,9 +70,13 @@
 namespace {
 
 using spyre_linear::blocks_of;
+using spyre_linear::kFp8;
 using spyre_linear::kBlockCols;
 using spyre_linear::kPairValues;
 using spyre_linear::pairs_of;
+#if defined(__clang__) ? __clang_major__ >= 9 : defined(__GNUC__) && __GNUC__ >= 10
+using spyre_linear::Fp8ToBf16;
+#endif
 
 constexpr int64_t kDecodeRows = 16;   // up to this many rows: one row chunk (weights read once)
 constexpr int64_t kRowChunk = 48;     // rows per task above that (a multiple of both row blocks)
@@ -113,26 +118,6 @@ struct Fp8Scratch {
 };
 
 constexpr int64_t kFp8PairBytes = kPairValues;  // one byte a value
-
-// bfloat16 bits of a finite float8_e4m3fn value (exact: 4 exponent and 3 mantissa bits fit).
-constexpr uint16_t fp8_bf16_bits(uint8_t b) {
-    const uint16_t sign = static_cast<uint16_t>((b & 0x80u) << 8);
-    const uint16_t magnitude = b & 0x7Fu;
-    if (magnitude >= 8) return sign | static_cast<uint16_t>((magnitude << 4) + (120u << 7));
-    // A subnormal m * 2^-9 is normal in bfloat16: m = 2^e' * 1.f with e' = floor(log2 m).
-    if (magnitude == 0) return sign;
-    const int top = magnitude >= 4 ? 2 : magnitude >= 2 ? 1 : 0;
-    const uint16_t fraction = static_cast<uint16_t>(((magnitude << (7 - top)) & 0x7Fu));
-    return sign | static_cast<uint16_t>(((127 - 9 + top) << 7) | fraction);
-}
-
-struct Fp8Table {
-    uint16_t bits[256];
-    constexpr Fp8Table() : bits() {
-        for (int b = 0; b < 256; b++) bits[b] = fp8_bf16_bits(static_cast<uint8_t>(b));
-    }
-};
-constexpr Fp8Table kFp8 {};
 
 // Pairs [p0, p1) of the task's FP8 weights (t.w8) into its block's scratch (any x86-64 code).
 inline void convert_fp8(const Task& t, uint16_t* scratch, int64_t p0, int64_t p1, bool stream) {
@@ -274,54 +259,18 @@ inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows
 
 constexpr int kRowsDot = 6;  // 6 rows x 4 groups of 16 columns: 24 of the 32 registers
 
-// The conversion of FP8 pairs to bfloat16 (convert_fp8's bits) 32 values at a time: each byte
-// widened to a 16-bit lane, a normal value's exponent rebiased in place, a subnormal's
-// (exponent 0) bits taken from a table, the sign put back.
-struct Fp8ToBf16 {
-    __m512i subnormals, magnitude_bits, rebias, exponent, sign, sign_and_magnitude;
-
-    DOT Fp8ToBf16() {
-        alignas(64) uint16_t small[32] = {};
-        for (int m = 0; m < 8; m++) small[m] = kFp8.bits[m];
-        subnormals = _mm512_load_si512(small);
-        magnitude_bits = _mm512_set1_epi16(0x7F0);
-        rebias = _mm512_set1_epi16(120 << 7);
-        exponent = _mm512_set1_epi16(0x78);
-        sign = _mm512_set1_epi16(static_cast<short>(0x8000));
-        sign_and_magnitude = _mm512_set1_epi16(static_cast<short>(0x87F0));
+// Groups [g0, g0 + G) of pair p of a block's FP8 weights as bfloat16: the fast conversion unless
+// a value of the pair has exponent 0 (rare in a trained model's weights; padding is zero).
+template <int G = 4>
+DOT inline void fp8_pair(const Fp8ToBf16& convert, const uint8_t* w8, const uint8_t* zero_exponent,
+                         int64_t p, int g0, __m512i (&w)[G]) {
+    const uint8_t* src = w8 + p * kFp8PairBytes + 32 * g0;
+    if (__builtin_expect(zero_exponent[p] != 0, 0)) {
+        UNROLL for (int j = 0; j < G; j++) w[j] = convert(src + 32 * j);
+    } else {
+        UNROLL for (int j = 0; j < G; j++) w[j] = convert.normal(src + 32 * j);
     }
-
-    // Groups [g0, g0 + G) of pair p of a block's FP8 weights: the fast conversion unless a
-    // value of the pair has exponent 0 (rare in a trained model's weights; padding is zero).
-    template <int G = 4>
-    DOT inline void pair(const uint8_t* w8, const uint8_t* zero_exponent, int64_t p, int g0,
-                         __m512i (&w)[G]) const {
-        const uint8_t* src = w8 + p * kFp8PairBytes + 32 * g0;
-        if (__builtin_expect(zero_exponent[p] != 0, 0)) {
-            UNROLL for (int j = 0; j < G; j++) w[j] = (*this)(src + 32 * j);
-        } else {
-            UNROLL for (int j = 0; j < G; j++) w[j] = normal(src + 32 * j);
-        }
-    }
-
-    // 16 columns' pairs (32 bytes) as vdpbf16ps takes them, none with exponent 0: each byte
-    // sign-extended to a 16-bit lane, shifted so that its sign is the lane's and its exponent and
-    // mantissa bfloat16's, the exponent rebiased.
-    DOT inline __m512i normal(const uint8_t* src) const {
-        const __m512i b = _mm512_cvtepi8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(src)));
-        return _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), sign_and_magnitude), rebias);
-    }
-
-    // 16 columns' pairs (32 bytes), any values.
-    DOT inline __m512i operator()(const uint8_t* src) const {
-        const __m512i b = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(src)));
-        const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), magnitude_bits), rebias);
-        // Exponent 0: the table's entry (permutexvar reads the low 5 bits: the mantissa here).
-        const __m512i value = _mm512_mask_permutexvar_epi16(normal, _mm512_testn_epi16_mask(b, exponent), b, subnormals);
-        // Bit by bit, sign ? b << 8 : value: the sign from the byte, the rest from value.
-        return _mm512_ternarylogic_epi32(sign, _mm512_slli_epi16(b, 8), value, 0xCA);
-    }
-};
+}
 
 // Pairs [p0, p1) of the task's FP8 weights into its block's scratch (convert_fp8, vectorized).
 DOT void convert_fp8_dot(const Task& t, uint16_t* scratch, int64_t p0, int64_t p1, bool stream) {
@@ -329,7 +278,7 @@ DOT void convert_fp8_dot(const Task& t, uint16_t* scratch, int64_t p0, int64_t p
     for (int64_t p = p0; p < p1; p++) {
         if (stream) stream_ahead(t.w8 + p * kFp8PairBytes);
         __m512i w[4];
-        convert.pair(t.w8, t.zero_exponent, p, 0, w);
+        fp8_pair(convert, t.w8, t.zero_exponent, p, 0, w);
         uint16_t* dst = scratch + p * kPairValues;
         UNROLL for (int j = 0; j < 4; j++) _mm512_store_si512(dst + 32 * j, w[j]);
     }
@@ -343,7 +292,7 @@ DOT inline void pair_weights(const Task& t, int64_t p, int g0, bool stream,
     if (FP8) {
         if (stream) stream_ahead(t.w8 + p * kFp8PairBytes);
         __m512i converted[G];
-        convert.pair<G>(t.w8, t.zero_exponent, p, g0, converted);
+        fp8_pair<G>(convert, t.w8, t.zero_exponent, p, g0, converted);
         UNROLL for (int j = 0; j < G; j++) w[j] = (__m512bh)converted[j];
         return;
     }

@@ -156,10 +156,11 @@ class NativeBf16Linear(torch.nn.Module):
 
 
 class NativeFp8Linear(torch.nn.Module):
-    """A compressed-tensors FP8 linear layer on ``kernels/linear_bf16.cpp``: the float8_e4m3fn
-    weight stays FP8 in memory (packed once, one byte a value) with its float32 scale per output
-    (or one for all). The kernel sums the FP8 values (each exact in bfloat16) as
-    ``NativeBf16Linear`` sums its weights, then multiplies the float32 sum by the column's scale
+    """A compressed-tensors FP8 linear layer on ``kernels/linear_bf16.cpp`` (on
+    ``kernels/linear_amx.cpp`` where ``NativeBf16Linear`` would be: ``on_amx``): the
+    float8_e4m3fn weight stays FP8 in memory (packed once, one byte a value) with its float32
+    scale per output (or one for all). The kernel sums the FP8 values (each exact in bfloat16)
+    as ``NativeBf16Linear`` sums its weights, then multiplies the float32 sum by the column's scale
     before the bias: within ``NativeBf16Linear``'s bound of the exact product with the
     dequantized weights. With a static ``input_scale`` the input is first rounded to its FP8
     steps (``fake_quantize_fp8``), with ``dynamic_inputs`` each row to the steps of its own
@@ -168,6 +169,9 @@ class NativeFp8Linear(torch.nn.Module):
     packed: torch.Tensor
     packed_scale: torch.Tensor
     kernels: NativeKernels
+    on_amx: bool
+    """Whether every call sums on AMX tiles (``kernels/linear_amx.cpp``), as
+    ``NativeBf16Linear.on_amx``."""
     _linear: Callable[[int, int, int, int | None, int, int, int, int], int]
 
     def __init__(
@@ -202,7 +206,9 @@ class NativeFp8Linear(torch.nn.Module):
         )
         packed_scale = torch.empty(-(-self.out_features // 64) * 64)
         assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
-        nan = kernels.linear_fp8_pack(
+        self.on_amx = kernels.linear_bf16_on_amx and self.in_features % AMX_K_MULTIPLE == 0
+        pack = kernels.linear_fp8_amx_pack if self.on_amx else kernels.linear_fp8_pack
+        nan = pack(
             weight.data_ptr(),
             scale.data_ptr(),
             scale.numel(),
@@ -211,6 +217,8 @@ class NativeFp8Linear(torch.nn.Module):
             self.out_features,
             self.in_features,
         )
+        if nan < 0:
+            raise RuntimeError("the AMX linear kernel refused to pack a weight it was checked for")
         if nan:
             raise ValueError(f"an FP8 weight holds {nan} NaN values")
         self.register_buffer("packed", packed, persistent=False)
@@ -220,7 +228,7 @@ class NativeFp8Linear(torch.nn.Module):
         self._scale_value = None if input_scale is None else float(input_scale)
         self.dynamic_inputs = dynamic_inputs
         self.kernels = kernels
-        self._linear = kernels.linear_fp8
+        self._linear = kernels.linear_fp8_amx if self.on_amx else kernels.linear_fp8
 
     @classmethod
     def of(cls, layer: Fp8Linear, kernels: NativeKernels) -> NativeFp8Linear:
@@ -253,6 +261,8 @@ class NativeFp8Linear(torch.nn.Module):
             )
             if status < 0:
                 raise MemoryError("the FP8 linear kernel found no memory for its scratch")
+            if status == 0 and self.on_amx:
+                raise RuntimeError("the AMX linear kernel refused a call it was checked for")
         return out.view(*x.shape[:-1], self.out_features)
 
     def _fake_quantize(self, rows: torch.Tensor) -> torch.Tensor:
@@ -280,7 +290,7 @@ class NativeFp8Linear(torch.nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias="
             f"{self.bias is not None}, static input scale={self.input_scale is not None}, "
             f"dynamic input scales={self.dynamic_inputs}, "
-            "native fp8 weights"
+            f"native fp8 weights{' on amx' if self.on_amx else ''}"
         )
 
 

@@ -1,5 +1,5 @@
-"""Our bfloat16 linear kernel on AMX tiles (``kernels/linear_amx.cpp``, ``NativeBf16Linear`` with
-``on_amx``): which layers take it, and what it computes.
+"""Our bfloat16 linear kernel on AMX tiles (``kernels/linear_amx.cpp``, ``NativeBf16Linear`` and
+``NativeFp8Linear`` with ``on_amx``): which layers take it, and what it computes.
 
 Intel does not fix the order or rounding of TDPBF16PS's internal float32 sums, so there is no
 step-by-step contract to compare bits with. Oracles instead:
@@ -9,7 +9,8 @@ step-by-step contract to compare bits with. Oracles instead:
 - ``F.linear`` in float64: within the bound of ``test_linear_bf16.bound`` with a whole float32
   unit (2^-23) a step instead of half, element by element;
 - the same rows in calls of other sizes and thread counts: the same bits (no tolerance);
-- denormal inputs count as zero, as the kernel's contract says.
+- denormal inputs count as zero, as the kernel's contract says;
+- FP8 weights: the bfloat16 kernel on their (exact) bfloat16 values, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from spyre_server.model.cpu.kernels.library import (
     default_kernel_dir,
     load_native_kernels,
 )
-from spyre_server.model.cpu.ops.native_linear import AMX_K_MULTIPLE, NativeBf16Linear
+from spyre_server.model.cpu.ops.native_linear import (
+    AMX_K_MULTIPLE,
+    NativeBf16Linear,
+    NativeFp8Linear,
+)
 from spyre_server.model.cpu.prepare import cpu_inference_copy
 from tests.conftest import needs_amx, needs_native_kernels
 from tests.spyre_server.model.cpu.test_aten_decoder import BF16_LOGIT_TOL
@@ -192,3 +197,81 @@ def test_a_bfloat16_copy_runs_its_whole_tile_layers_on_amx(tiny_llama_factory: A
         ours, theirs = copy(ids), model(ids)
     ours, theirs = (x[0] if isinstance(x, tuple) else x for x in (ours, theirs))
     assert (ours.float() - theirs).abs().max() <= BF16_LOGIT_TOL
+
+
+# ============================================================================ FP8 weights
+
+
+def amx_fp8(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+    native = NativeFp8Linear(weight, scale, kernels(), bias=bias)
+    assert native.on_amx and "on amx" in repr(native)
+    return native
+
+
+def every_finite_fp8(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A float8_e4m3fn weight holding each of the 254 finite bytes (both zeros and every
+    subnormal among them), shuffled."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(finite), (out_features, in_features), generator=generator)
+    return finite[picks].view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (130, 96), (200, 1088)])
+def test_fp8_weights_give_the_bits_of_their_bfloat16_values(
+    out_features: int, in_features: int
+) -> None:
+    """Every float8_e4m3fn value is a bfloat16 value: with a scale of 1 the FP8 kernel's output
+    is the bfloat16 AMX kernel's on the converted weight, bit for bit, at decode and prefill
+    sizes (each of the 254 finite bytes in the weight; steps with and without exponent-0
+    values)."""
+    weight = every_finite_fp8(out_features, in_features, seed=in_features)
+    weight[:, :32] = torch.ones(out_features, 32).to(torch.float8_e4m3fn)  # a step without zeros
+    fp8 = amx_fp8(weight, torch.ones(1))
+    linear = bf16_linear(out_features, in_features)
+    with torch.no_grad():
+        linear.weight.copy_(weight.to(torch.bfloat16))
+    bf16 = amx_linear(linear)
+    x = (torch.randn(140, in_features) * 2.0**-8).bfloat16()  # sums well inside float32's range
+    with torch.inference_mode():
+        for rows in (1, 9, 16, 17, 140):
+            want = bf16(x[:rows]).view(torch.int16)
+            assert torch.equal(fp8(x[:rows]).view(torch.int16), want), rows
+
+
+def test_fp8_scales_and_bias_are_exact_on_integer_sums() -> None:
+    """Integer weights and inputs, power-of-two column scales: every step exact, so each output
+    is the exact product with the dequantized weights plus the bias, rounded once."""
+    torch.manual_seed(11)
+    weight = torch.randint(-8, 9, (100, 64)).float()
+    scale = 2.0 ** torch.randint(-4, 5, (100, 1)).float()
+    bias = torch.randint(-50, 51, (100,)).bfloat16()
+    native = amx_fp8(weight.to(torch.float8_e4m3fn), scale, bias)
+    for rows in (1, 33):
+        x = torch.randint(-8, 9, (rows, 64)).bfloat16()
+        exact = F.linear(x.double(), (weight * scale).double(), bias.double())
+        with torch.inference_mode():
+            assert torch.equal(native(x), exact.bfloat16()), rows
+
+
+def test_fp8_rows_have_the_same_bits_in_a_call_of_any_size() -> None:
+    weight, scale = torch.randn(150, 320).to(torch.float8_e4m3fn), torch.rand(150) + 0.5
+    native = amx_fp8(weight, scale)
+    x = torch.randn(200, 320).bfloat16()
+    with torch.inference_mode():
+        full = native(x).view(torch.int16)
+        for rows in (1, 5, 16, 17, 33, 130):
+            for start in (0, 200 - rows):
+                part = native(x[start : start + rows].contiguous()).view(torch.int16)
+                assert torch.equal(part, full[start : start + rows]), (rows, start)
+
+
+def test_fp8_packing_refuses_an_input_size_that_is_not_whole_tiles() -> None:
+    lib = kernels()
+    weight = torch.ones(70, 48).to(torch.float8_e4m3fn)
+    packed = torch.zeros(lib.linear_fp8_packed_numel(70, 48), dtype=torch.uint8)
+    scale, packed_scale = torch.ones(1), torch.zeros(128)
+    args = (scale.data_ptr(), 1, packed.data_ptr(), packed_scale.data_ptr(), 70, 48)
+    assert lib.linear_fp8_amx_pack(weight.view(torch.uint8).data_ptr(), *args) == -1
+    assert not packed.any() and not packed_scale.any()
+    assert not NativeFp8Linear(weight, scale, lib).on_amx  # the layer keeps linear_bf16.cpp
