@@ -33,7 +33,7 @@
 // up to kDecodeRows rows computes each column block in one pass over its weights, streamed from
 // memory with software prefetch; more rows go in tasks of (one column block, up to kRowChunk
 // rows), column-block-major, one contiguous range of tasks per thread, each task's sums over
-// chunks of kChunkPairs pairs (the chunk of weights stays in L2 for all the task's rows) and
+// chunks of kChunkPairs pairs (the chunk of weights stays in L1 for all the task's rows) and
 // within a chunk 32 rows x 32 columns at a time (2 x 2 tiles).
 //
 // Only entered on CPUs with AMX-BF16 and AVX512F/BW/VL/DQ, in a process that Linux granted the
@@ -64,7 +64,7 @@ constexpr int64_t kTilePairs = 16;     // pairs of K per tile product (64 bytes 
 constexpr int64_t kTileRows = 16;      // rows of x per A tile
 constexpr int64_t kDecodeRows = 16;    // up to this many rows: one row tile, one pass a block
 constexpr int64_t kRowChunk = 128;     // rows per task above that (a multiple of 2 row tiles)
-constexpr int64_t kChunkPairs = 512;   // pairs per chunk of a task's sums: 128 KB of weights
+constexpr int64_t kChunkPairs = 128;   // pairs per chunk of a task's sums: 32 KB of weights
 constexpr int64_t kAheadBytes = 8192;  // a decode call's prefetch distance in a block's stream
 constexpr int64_t kFp8FarBytes = 32768;  // ... and FP8 weights' second, into L3
 constexpr int64_t kPairBytes = kPairValues * 2;

@@ -68,7 +68,7 @@ SHAPES = [
     (100, 64, True),  # a partial second column block
     (130, 96, True),
     (70, 320, True),
-    (200, 1088, False),  # 544 pairs: a prefill task's sums in two chunks (512 + 32)
+    (200, 1088, False),  # 544 pairs: a prefill task's sums in five chunks (4 x 128 + 32)
 ]
 
 
