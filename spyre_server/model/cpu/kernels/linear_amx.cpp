@@ -26,8 +26,9 @@
 // their values has exponent 0. Every float8_e4m3fn value is exactly a bfloat16 value, so the
 // kernel converts them (fp8_bf16.h, no rounding) and sums as above, then multiplies the float32
 // sum by the column's scale before the bias: y[m][n] = bf16(acc * scale[n] + bias[n]). A decode
-// call converts each 16 pairs into 4 KB that the tiles load from L1 (a step reads one byte a
-// weight); more rows convert each block once per thread, whole, for its row chunks.
+// call converts each 16 pairs into a ring of 4 KB steps in L1 that the tiles load from, two
+// steps ahead of them (a step reads one byte a weight); more rows convert each block once per
+// thread, whole, for its row chunks.
 //
 // K must be a multiple of 32 (whole tiles; other layers stay on linear_bf16.cpp). Work: a call of
 // up to kDecodeRows rows computes each column block in one pass over its weights, streamed from
@@ -66,7 +67,7 @@ constexpr int64_t kDecodeRows = 16;    // up to this many rows: one row tile, on
 constexpr int64_t kRowChunk = 128;     // rows per task above that (a multiple of 2 row tiles)
 constexpr int64_t kChunkPairs = 128;   // pairs per chunk of a task's sums: 32 KB of weights
 constexpr int64_t kAheadBytes = 8192;  // a decode call's prefetch distance in a block's stream
-constexpr int64_t kFp8FarBytes = 32768;  // ... and FP8 weights' second, into L3
+constexpr int64_t kFp8FarBytes = 32768;  // ... and FP8 weights' second, into the outer caches
 constexpr int64_t kPairBytes = kPairValues * 2;
 constexpr int64_t kTileRowBytes = 64;  // one pair of one group of 16 columns: a B tile's row
 constexpr int64_t kTileBytes = kTilePairs * kTileRowBytes;  // one B tile, contiguous
@@ -151,8 +152,8 @@ inline void finish(const Call& c, int64_t b, int64_t r0, int64_t rows, const flo
 
 // A decode call's software prefetch for the step_bytes of weights at wp (one 16-pair step):
 // bfloat16 weights into L1 kAheadBytes ahead; FP8 ones (converted before the tiles read them,
-// which leaves the stream less time) also into L3 kFp8FarBytes ahead. A prefetch past the
-// weights' end faults nothing.
+// which leaves the stream less time) also kFp8FarBytes ahead into the outer caches (the T2
+// hint). A prefetch past the weights' end faults nothing.
 inline void stream_ahead(const char* wp, int64_t step_bytes, bool fp8) {
     for (int64_t line = 0; line < step_bytes; line += 64) {
         _mm_prefetch(wp + kAheadBytes + line, _MM_HINT_T0);
@@ -161,8 +162,8 @@ inline void stream_ahead(const char* wp, int64_t step_bytes, bool fp8) {
 }
 
 // A call of up to kDecodeRows rows, block b: its four groups' sums in one pass over its pairs,
-// streamed ahead, into `partial`. FP8: each 16 pairs converted into `step` (4 KB, stays in L1)
-// and the tiles loaded from there.
+// streamed ahead, into `partial`. FP8: each 16 pairs converted into the `ring` (kRingSteps steps
+// of 4 KB, in L1) kConvertAhead steps before the tiles load them from there.
 inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8ToBf16& convert,
                          uint16_t* ring) {
     const int64_t P = c.K / 2;
