@@ -44,13 +44,7 @@ constexpr int64_t kTileBf16 = 512;  // bfloat16 values of one 16 x 64-byte tile
 
 alignas(64) const uint16_t kZeros[128] = {};  // a missing key's row (past the context's end)
 
-struct TileConfig {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+using spyre_amx::TileConfig;
 
 // Every tile 16 rows of 64 bytes. The configuration is per thread: each parallel region sets it.
 inline void configure_tiles() {

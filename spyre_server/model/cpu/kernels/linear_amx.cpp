@@ -48,8 +48,6 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include <stdlib.h>
-
 #include "fp8_bf16.h"
 #include "linear_bf16_layout.h"
 
@@ -77,13 +75,7 @@ constexpr int64_t kConvertAhead = 2;  // ... this many steps ahead of the tiles 
 constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush to zero, denormals are zero
 
 // Tiles: 0-3 sums (C), 4-5 rows of x (A), 6-7 weights (B).
-struct TileConfig {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+using spyre_amx::TileConfig;
 
 // The calling thread's tiles for row tiles of rows0 and rows1 rows (rows1 0: one row tile, its
 // four column groups in sums 0-3; else two, sums 0-1 the first's two groups, 2-3 the second's).
@@ -150,6 +142,21 @@ inline void finish(const Call& c, int64_t b, int64_t r0, int64_t rows, const flo
                                       c.y + (r0 + i) * c.N + c0);
 }
 
+// One 16-pair step of one row tile against a block's four groups: the rows' 32 values at xp (row
+// stride ldx bytes) into A, each group's weight tile (wp: the step's four contiguous tiles)
+// into B, added into sums 0-3.
+inline void four_groups(const uint16_t* xp, int64_t ldx, const char* wp) {
+    _tile_loadd(4, xp, ldx);
+    _tile_loadd(6, wp, kTileRowBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, wp + kTileBytes, kTileRowBytes);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, wp + 2 * kTileBytes, kTileRowBytes);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, wp + 3 * kTileBytes, kTileRowBytes);
+    _tile_dpbf16ps(3, 4, 7);
+}
+
 // A decode call's software prefetch for the step_bytes of weights at wp (one 16-pair step):
 // bfloat16 weights into L1 kAheadBytes ahead; FP8 ones (converted before the tiles read them,
 // which leaves the stream less time) also kFp8FarBytes ahead into the outer caches (the T2
@@ -187,15 +194,7 @@ inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8ToBf
             if (next < S) convert_steps(c, convert, b, next, next + 1, ring + next % kRingSteps * kStepValues);
             wp = reinterpret_cast<const char*>(ring + s % kRingSteps * kStepValues);
         }
-        _tile_loadd(4, c.x + 2 * p, c.K * 2);
-        _tile_loadd(6, wp, kTileRowBytes);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, wp + kTileBytes, kTileRowBytes);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, wp + 2 * kTileBytes, kTileRowBytes);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(7, wp + 3 * kTileBytes, kTileRowBytes);
-        _tile_dpbf16ps(3, 4, 7);
+        four_groups(c.x + 2 * p, c.K * 2, wp);
     }
     const int64_t stride = kBlockCols * 4;
     _tile_stored(0, partial, stride);
@@ -226,15 +225,7 @@ inline void rows_chunk(const Call& c, const uint16_t* x, const char* w, int64_t 
         }
         for (int64_t p = p0; p < p1; p += kTilePairs) {
             const char* wp = w + p * kPairBytes;
-            _tile_loadd(4, x0 + 2 * p, ldx);
-            _tile_loadd(6, wp, kTileRowBytes);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, wp + kTileBytes, kTileRowBytes);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(6, wp + 2 * kTileBytes, kTileRowBytes);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_loadd(7, wp + 3 * kTileBytes, kTileRowBytes);
-            _tile_dpbf16ps(3, 4, 7);
+            four_groups(x0 + 2 * p, ldx, wp);
         }
         _tile_stored(0, s0, stride);
         _tile_stored(1, s0 + 16, stride);
@@ -293,19 +284,6 @@ inline void task(const Call& c, int64_t b, const char* w, int64_t r0, int64_t ro
     finish(c, b, r0, rows, partial);
 }
 
-// The calling thread's bfloat16 copy of one FP8 block of P pairs (kept and grown); nullptr
-// without memory.
-inline uint16_t* block_scratch(int64_t P) {
-    thread_local uint16_t* buffer = nullptr;
-    thread_local int64_t capacity = 0;
-    if (P > capacity) {
-        free(buffer);
-        buffer = static_cast<uint16_t*>(aligned_alloc(64, P * kPairValues * 2));
-        capacity = buffer == nullptr ? 0 : P;
-    }
-    return buffer;
-}
-
 // Every task of a call: one contiguous range of the column-block-major tasks per thread. FP8
 // above kDecodeRows rows: a thread converts a block once into its scratch for the block's row
 // chunks it computes. Returns false, y partly written, where a thread found no memory for that.
@@ -326,7 +304,7 @@ bool linear(const Call& c) {
         const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
         uint16_t* block = nullptr;  // FP8 prefill: the thread's converted block
         if (c.fp8 != nullptr && !decode && first < last) {
-            block = block_scratch(P);
+            block = spyre_linear::thread_block_scratch(P);
             no_memory = block == nullptr;
         }
         int64_t converted = -1;  // the block it holds

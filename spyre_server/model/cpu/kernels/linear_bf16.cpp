@@ -405,19 +405,6 @@ inline bool dot_path(int avx512) {
 #endif
 }
 
-// The calling thread's bfloat16 scratch for one block's pairs (kept and grown); nullptr
-// without memory.
-inline uint16_t* fp8_scratch(int64_t P) {
-    thread_local uint16_t* buffer = nullptr;
-    thread_local int64_t capacity = 0;
-    if (P > capacity) {
-        free(buffer);
-        buffer = static_cast<uint16_t*>(aligned_alloc(64, P * kPairValues * 2));
-        capacity = buffer == nullptr ? 0 : P;
-    }
-    return buffer;
-}
-
 // The weights a call reads: bfloat16 pairs, or FP8 pairs and their column scales.
 struct Weights {
     const uint16_t* bf16;  // nullptr for FP8
@@ -454,7 +441,7 @@ int linear(bool dot, const uint16_t* x, const Weights& weights, const uint16_t* 
         alignas(64) float partial[kRowChunk * kBlockCols];
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
-        Fp8Scratch scratch{weights.fp8 != nullptr && first < last ? fp8_scratch(P) : nullptr, false};
+        Fp8Scratch scratch{weights.fp8 != nullptr && first < last ? spyre_linear::thread_block_scratch(P) : nullptr, false};
         no_memory = weights.fp8 != nullptr && first < last && scratch.pairs == nullptr;
         Fp8Scratch* fp8 = weights.fp8 != nullptr ? &scratch : nullptr;
         for (int64_t task = first; task < last && !no_memory; task++) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <stdlib.h>
 
 namespace spyre_linear {
 
@@ -15,6 +16,23 @@ constexpr int64_t kPairValues = 128;  // bfloat16 values of one pair of a block 
 
 inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
 inline int64_t blocks_of(int64_t N) { return (N + kBlockCols - 1) / kBlockCols; }
+
+namespace {  // one buffer per file and thread
+
+// The calling thread's bfloat16 buffer for one block of P pairs (kept and grown, 64-byte
+// aligned): where an FP8 block is converted. nullptr without memory.
+inline uint16_t* thread_block_scratch(int64_t P) {
+    thread_local uint16_t* buffer = nullptr;
+    thread_local int64_t capacity = 0;
+    if (P > capacity) {
+        free(buffer);
+        buffer = static_cast<uint16_t*>(aligned_alloc(64, P * kPairValues * 2));
+        capacity = buffer == nullptr ? 0 : P;
+    }
+    return buffer;
+}
+
+}  // namespace
 
 }  // namespace spyre_linear
 

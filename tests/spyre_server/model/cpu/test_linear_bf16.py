@@ -94,13 +94,16 @@ def contract(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     return acc.bfloat16()
 
 
-def bound(x: torch.Tensor, linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the exact result in float64, how far the kernel may be from it)."""
+def bound(
+    x: torch.Tensor, linear: torch.nn.Linear, eps: float = EPS32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the exact result in float64, how far the kernel may be from it): ``eps`` the float32
+    accumulation's error per step, relative."""
     w = linear.weight.detach().double()
     b = None if linear.bias is None else linear.bias.detach().double()
     exact = F.linear(x.double(), w, b)
     magnitude = F.linear(x.double().abs(), w.abs(), None if b is None else b.abs())
-    accumulated = (x.shape[-1] + 2) * EPS32 * magnitude
+    accumulated = (x.shape[-1] + 2) * eps * magnitude
     return exact, accumulated + BF16_HALF_STEP * (exact.abs() + accumulated)
 
 
