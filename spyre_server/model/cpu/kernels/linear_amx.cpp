@@ -27,15 +27,18 @@
 // kernel converts them (fp8_bf16.h, no rounding) and sums as above, then multiplies the float32
 // sum by the column's scale before the bias: y[m][n] = bf16(acc * scale[n] + bias[n]). A decode
 // call converts each 16 pairs into a ring of 4 KB steps in L1 that the tiles load from, two
-// steps ahead of them (a step reads one byte a weight); more rows convert each block once per
-// thread, whole, for its row chunks.
+// steps ahead of them (a step reads one byte a weight); more rows convert a task's chunk of
+// weights (below) once, for all its rows.
 //
 // K must be a multiple of 32 (whole tiles; other layers stay on linear_bf16.cpp). Work: a call of
 // up to kDecodeRows rows computes each column block in one pass over its weights, streamed from
-// memory with software prefetch; more rows go in tasks of (one column block, up to kRowChunk
-// rows), column-block-major, one contiguous range of tasks per thread, each task's sums over
-// chunks of kChunkPairs pairs (the chunk of weights stays in L1 for all the task's rows) and
-// within a chunk 32 rows x 32 columns at a time (2 x 2 tiles).
+// memory with software prefetch. More rows: x is first copied into A-tile order (pack_rows),
+// then tasks of (a panel of up to kPanelBlocks column blocks, up to kMaxRowChunk rows), one
+// contiguous range of them per thread (Plan), each summing over chunks of K whose weights for
+// the panel fill kPanelChunkBytes: the chunk stays in L2 while every 32 rows pass over it, and
+// those rows' values of x for the chunk stay in L1 for the panel's blocks, 32 rows x 32 columns
+// at a time (2 x 2 tiles). So the weights are read from memory once per call (up to
+// kMaxRowChunk rows) and x from beyond L2 once per panel.
 //
 // Only entered on CPUs with AMX-BF16 and AVX512F/BW/VL/DQ, in a process that Linux granted the
 // AMX tile state (library.amx_unsupported_reason); compiled for them whatever the build machine.
@@ -62,8 +65,9 @@ using spyre_linear::kPairValues;
 constexpr int64_t kTilePairs = 16;     // pairs of K per tile product (64 bytes of a row of x)
 constexpr int64_t kTileRows = 16;      // rows of x per A tile
 constexpr int64_t kDecodeRows = 16;    // up to this many rows: one row tile, one pass a block
-constexpr int64_t kRowChunk = 128;     // rows per task above that (a multiple of 2 row tiles)
-constexpr int64_t kChunkPairs = 128;   // pairs per chunk of a task's sums: 32 KB of weights
+constexpr int64_t kPanelBlocks = 4;    // above that, column blocks per task (a panel of 256 columns)
+constexpr int64_t kPanelChunkBytes = 1 << 17;  // ... whose bfloat16 weights a chunk of K fill
+constexpr int64_t kMaxRowChunk = 512;  // ... and rows per task (their sums: 512 KB at most)
 constexpr int64_t kAheadBytes = 8192;  // a decode call's prefetch distance in a block's stream
 constexpr int64_t kFp8FarBytes = 32768;  // ... and FP8 weights' second, into the outer caches
 constexpr int64_t kPairBytes = kPairValues * 2;
@@ -73,6 +77,9 @@ constexpr int64_t kStepValues = kTilePairs * kPairValues;  // values of 16 pairs
 constexpr int64_t kRingSteps = 4;     // FP8 decode: 16-pair steps converted, in a ring (16 KB)
 constexpr int64_t kConvertAhead = 2;  // ... this many steps ahead of the tiles that read them
 constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: flush to zero, denormals are zero
+constexpr int kConvertedSlot = 0;  // spyre_linear::thread_scratch slots: FP8 weights converted,
+constexpr int kSumsSlot = 1;       // a task's sums,
+constexpr int kPackedRowsSlot = 2;  // x in A-tile order (the calling thread's, shared)
 
 // Tiles: 0-3 sums (C), 4-5 rows of x (A), 6-7 weights (B).
 using spyre_amx::TileConfig;
@@ -103,6 +110,14 @@ struct Call {
     const uint16_t* bias;    // [N] or nullptr
     uint16_t* y;             // [M][N]
     int64_t M, K, N;
+    uint16_t* xa = nullptr;  // above kDecodeRows rows: x in A-tile order (pack_rows)
+
+    // The A tile of row tile t's step s (16 pairs) in xa: 16 rows of 64 bytes, contiguous; the
+    // two row tiles of 32 rows interleaved a step at a time (one stream for the tile loop).
+    const uint16_t* a_tile(int64_t t, int64_t s) const {
+        const int64_t tiles = (t / 2 * (K / 2 / kTilePairs) + s) * 2 + t % 2;
+        return xa + tiles * kTileRows * 2 * kTilePairs;
+    }
 
     // FP8: whether a value of the 16 pairs from p of block b has exponent 0.
     bool zero_exponent(int64_t b, int64_t p) const {
@@ -203,45 +218,40 @@ inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8ToBf
     _tile_stored(3, partial + 48, stride);
 }
 
-// Pairs [p0, p1) of rows [r, r + rows) (rows <= 2 row tiles) of a task's block `w`, added to
-// their sums in `partial` (zero first where `resume` is false). x: the task's first row.
-inline void rows_chunk(const Call& c, const uint16_t* x, const char* w, int64_t r, int64_t rows,
-                       int64_t p0, int64_t p1, bool resume, float* partial, int& shape) {
-    const int64_t stride = kBlockCols * 4, ldx = c.K * 2;
-    const uint16_t* x0 = x + r * c.K;
-    float* s0 = partial + r * kBlockCols;
+// Steps [s0, s0 + steps) (16 pairs each) of rows [16 t0, 16 t0 + rows) (rows <= 2 row tiles) of
+// one block, its weights for step s0 at w, added to their sums (row stride kBlockCols, zero first
+// where `resume` is false).
+inline void rows_chunk(const Call& c, int64_t t0, const char* w, int64_t s0, int64_t steps,
+                       int64_t rows, bool resume, float* sums, int& shape) {
+    const int64_t stride = kBlockCols * 4, ldx = kTileRowBytes, step_bytes = kTilePairs * kPairBytes;
+    float* s1 = sums + kTileRows * kBlockCols;
     if (rows <= kTileRows) {  // one row tile: the four groups at once
         configure(static_cast<int>(rows), 0, shape);
         if (resume) {
-            _tile_loadd(0, s0, stride);
-            _tile_loadd(1, s0 + 16, stride);
-            _tile_loadd(2, s0 + 32, stride);
-            _tile_loadd(3, s0 + 48, stride);
+            _tile_loadd(0, sums, stride);
+            _tile_loadd(1, sums + 16, stride);
+            _tile_loadd(2, sums + 32, stride);
+            _tile_loadd(3, sums + 48, stride);
         } else {
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
         }
-        for (int64_t p = p0; p < p1; p += kTilePairs) {
-            const char* wp = w + p * kPairBytes;
-            four_groups(x0 + 2 * p, ldx, wp);
-        }
-        _tile_stored(0, s0, stride);
-        _tile_stored(1, s0 + 16, stride);
-        _tile_stored(2, s0 + 32, stride);
-        _tile_stored(3, s0 + 48, stride);
+        for (int64_t s = 0; s < steps; s++) four_groups(c.a_tile(t0, s0 + s), ldx, w + s * step_bytes);
+        _tile_stored(0, sums, stride);
+        _tile_stored(1, sums + 16, stride);
+        _tile_stored(2, sums + 32, stride);
+        _tile_stored(3, sums + 48, stride);
         return;
     }
     // Two row tiles (16 and rows - 16 rows) x two groups, twice.
     configure(kTileRows, static_cast<int>(rows - kTileRows), shape);
-    const uint16_t* x1 = x0 + kTileRows * c.K;
-    float* s1 = s0 + kTileRows * kBlockCols;
     for (int64_t g = 0; g < 4; g += 2) {
         const int64_t col = g * kGroupCols;
         if (resume) {
-            _tile_loadd(0, s0 + col, stride);
-            _tile_loadd(1, s0 + col + 16, stride);
+            _tile_loadd(0, sums + col, stride);
+            _tile_loadd(1, sums + col + 16, stride);
             _tile_loadd(2, s1 + col, stride);
             _tile_loadd(3, s1 + col + 16, stride);
         } else {
@@ -250,10 +260,10 @@ inline void rows_chunk(const Call& c, const uint16_t* x, const char* w, int64_t 
             _tile_zero(2);
             _tile_zero(3);
         }
-        for (int64_t p = p0; p < p1; p += kTilePairs) {
-            const char* wp = w + p * kPairBytes + kTileBytes * g;
-            _tile_loadd(4, x0 + 2 * p, ldx);
-            _tile_loadd(5, x1 + 2 * p, ldx);
+        for (int64_t s = 0; s < steps; s++) {
+            const char* wp = w + s * step_bytes + kTileBytes * g;
+            _tile_loadd(4, c.a_tile(t0, s0 + s), ldx);
+            _tile_loadd(5, c.a_tile(t0 + 1, s0 + s), ldx);
             _tile_loadd(6, wp, kTileRowBytes);
             _tile_loadd(7, wp + kTileBytes, kTileRowBytes);
             _tile_dpbf16ps(0, 4, 6);
@@ -261,70 +271,138 @@ inline void rows_chunk(const Call& c, const uint16_t* x, const char* w, int64_t 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, s0 + col, stride);
-        _tile_stored(1, s0 + col + 16, stride);
+        _tile_stored(0, sums + col, stride);
+        _tile_stored(1, sums + col + 16, stride);
         _tile_stored(2, s1 + col, stride);
         _tile_stored(3, s1 + col + 16, stride);
     }
 }
 
-// Rows [r0, r0 + rows) of block b (a task of more than kDecodeRows rows in all), its bfloat16
-// weights at w (FP8: the block converted).
-inline void task(const Call& c, int64_t b, const char* w, int64_t r0, int64_t rows,
-                 float* partial, int& shape) {
-    const int64_t P = c.K / 2;
-    const uint16_t* x = c.x + r0 * c.K;
-    for (int64_t p0 = 0; p0 < P; p0 += kChunkPairs) {
-        const int64_t p1 = P - p0 < kChunkPairs ? P : p0 + kChunkPairs;
-        for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
-            const int64_t n = rows - r < 2 * kTileRows ? rows - r : 2 * kTileRows;
-            rows_chunk(c, x, w, r, n, p0, p1, p0 > 0, partial, shape);
+// How a call of more than kDecodeRows rows is cut: tasks of (a panel of up to kPanelBlocks
+// column blocks, a chunk of up to kMaxRowChunk rows, a multiple of 32), panel-major; panels
+// narrower, and rows cut, where there are too few panels for the threads. Each task sums over
+// chunks of chunk_pairs pairs (kPanelChunkBytes of the panel's bfloat16 weights).
+struct Plan {
+    int64_t panel_blocks, panels, row_chunk, row_chunks, chunk_pairs;
+
+    Plan(const Call& c, int64_t threads) {
+        const int64_t blocks = blocks_of(c.N), P = c.K / 2;
+        const int64_t share = blocks / threads;
+        panel_blocks = share < 1 ? 1 : share > kPanelBlocks ? kPanelBlocks : share;
+        panels = (blocks + panel_blocks - 1) / panel_blocks;
+        const int64_t parts = panels >= threads ? 1 : (threads + panels - 1) / panels;
+        const int64_t two_tiles = 2 * kTileRows;
+        row_chunk = ((c.M + parts - 1) / parts + two_tiles - 1) / two_tiles * two_tiles;
+        if (row_chunk > kMaxRowChunk) row_chunk = kMaxRowChunk;
+        row_chunks = (c.M + row_chunk - 1) / row_chunk;
+        const int64_t fit = kPanelChunkBytes / (panel_blocks * kPairBytes) / kTilePairs * kTilePairs;
+        chunk_pairs = fit < kTilePairs ? kTilePairs : fit > P ? P : fit;
+    }
+    int64_t tasks() const { return panels * row_chunks; }
+};
+
+// What task t of a plan covers: rows [r0, r0 + rows) of column blocks [b0, b1).
+struct TaskSpan {
+    int64_t b0, b1, r0, rows;
+
+    TaskSpan(const Call& c, const Plan& plan, int64_t t) {
+        const int64_t blocks = blocks_of(c.N);
+        b0 = t / plan.row_chunks * plan.panel_blocks;
+        b1 = b0 + plan.panel_blocks < blocks ? b0 + plan.panel_blocks : blocks;
+        r0 = t % plan.row_chunks * plan.row_chunk;
+        rows = c.M - r0 < plan.row_chunk ? c.M - r0 : plan.row_chunk;
+    }
+};
+
+// Task t of the plan, its sums in `sums` (block j's rows at sums + j * rows * kBlockCols), each
+// 32 rows' output written after their last chunk; FP8 weights converted a chunk at a time into
+// `converted` (the panel's blocks one after another, chunk_pairs pairs each).
+inline void panel_task(const Call& c, const Plan& plan, int64_t t, float* sums,
+                       uint16_t* converted, const Fp8ToBf16& convert, int& shape) {
+    const int64_t P = c.K / 2, chunk = plan.chunk_pairs;
+    const TaskSpan task(c, plan, t);
+    for (int64_t p0 = 0; p0 < P; p0 += chunk) {
+        const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
+        const int64_t s0 = p0 / kTilePairs, steps = (p1 - p0) / kTilePairs;
+        for (int64_t b = task.b0; c.fp8 != nullptr && b < task.b1; b++)
+            convert_steps(c, convert, b, s0, s0 + steps, converted + (b - task.b0) * chunk * kPairValues);
+        for (int64_t r = 0; r < task.rows; r += 2 * kTileRows) {
+            const int64_t n = task.rows - r < 2 * kTileRows ? task.rows - r : 2 * kTileRows;
+            for (int64_t b = task.b0; b < task.b1; b++) {
+                const uint16_t* w = c.fp8 != nullptr ? converted + (b - task.b0) * chunk * kPairValues
+                                                     : c.packed + (b * P + p0) * kPairValues;
+                float* block_sums = sums + ((b - task.b0) * task.rows + r) * kBlockCols;
+                rows_chunk(c, (task.r0 + r) / kTileRows, reinterpret_cast<const char*>(w), s0,
+                           steps, n, p0 > 0, block_sums, shape);
+                if (p1 == P) finish(c, b, task.r0 + r, n, block_sums);
+            }
         }
     }
-    finish(c, b, r0, rows, partial);
 }
 
-// Every task of a call: one contiguous range of the column-block-major tasks per thread. FP8
-// above kDecodeRows rows: a thread converts a block once into its scratch for the block's row
-// chunks it computes. Returns false, y partly written, where a thread found no memory for that.
-bool linear(const Call& c) {
+// Above kDecodeRows rows: the rows of row tile t into c.xa in A-tile order (each 16-pair step's
+// 16 rows contiguous: a tile loads 1 KB in sequence, and a row tile's steps follow each other).
+// Rows past M are not written (the tiles configured for the last row tile read only the rows
+// that exist).
+inline void pack_rows(const Call& c, int64_t t) {
+    const int64_t S = c.K / 2 / kTilePairs;
+    const int64_t rows = c.M - t * kTileRows < kTileRows ? c.M - t * kTileRows : kTileRows;
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t* src = c.x + (t * kTileRows + i) * c.K;
+        for (int64_t s = 0; s < S; s++)
+            _mm512_store_si512(const_cast<uint16_t*>(c.a_tile(t, s)) + i * 2 * kTilePairs,
+                               _mm512_loadu_si512(src + s * 2 * kTilePairs));
+    }
+}
+
+// Every task of a call. Up to kDecodeRows rows: a task per column block (decode_block). More:
+// x packed into A-tile order first (the threads share it), then the Plan's tasks, one
+// contiguous range per thread. Returns false, y partly written or not at all, where a thread
+// found no memory for its buffers.
+bool linear(Call c) {
     const bool decode = c.M <= kDecodeRows;
-    const int64_t row_chunk = decode ? c.M : kRowChunk;
-    const int64_t num_chunks = (c.M + row_chunk - 1) / row_chunk, blocks = blocks_of(c.N);
-    const int64_t tasks = blocks * num_chunks, P = c.K / 2;
+    const int64_t row_tiles = (c.M + kTileRows - 1) / kTileRows;
+    if (!decode) {
+        const int64_t rows = (row_tiles + 1) / 2 * 2 * kTileRows;  // whole pairs of row tiles
+        c.xa = static_cast<uint16_t*>(spyre_linear::thread_scratch<kPackedRowsSlot>(rows * c.K * 2));
+        if (c.xa == nullptr) return false;
+    }
     bool no_memory = false;
     #pragma omp parallel reduction(|| : no_memory)
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | kFlushDenormals);
-        alignas(64) float partial[kRowChunk * kBlockCols];
-        alignas(64) uint16_t ring[kRingSteps * kStepValues];  // FP8 decode: converted steps
         const Fp8ToBf16 convert;
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t first = tasks * me / threads, last = tasks * (me + 1) / threads;
-        uint16_t* block = nullptr;  // FP8 prefill: the thread's converted block
-        if (c.fp8 != nullptr && !decode && first < last) {
-            block = spyre_linear::thread_block_scratch(P);
-            no_memory = block == nullptr;
-        }
-        int64_t converted = -1;  // the block it holds
         int shape = -1;
-        if (decode && first < last) configure(static_cast<int>(c.M), 0, shape);
-        for (int64_t t = first; t < last && !no_memory; t++) {
-            const int64_t b = t / num_chunks, r0 = t % num_chunks * row_chunk;
-            if (decode) {
+        if (decode) {
+            alignas(64) float partial[kDecodeRows * kBlockCols];
+            alignas(64) uint16_t ring[kRingSteps * kStepValues];  // FP8: converted steps
+            const int64_t blocks = blocks_of(c.N);
+            const int64_t first = blocks * me / threads, last = blocks * (me + 1) / threads;
+            if (first < last) configure(static_cast<int>(c.M), 0, shape);
+            for (int64_t b = first; b < last; b++) {
                 decode_block(c, b, partial, convert, ring);
                 finish(c, b, 0, c.M, partial);
-                continue;
             }
-            const uint16_t* w = c.packed + b * P * kPairValues;
-            if (c.fp8 != nullptr) {
-                if (converted != b) convert_steps(c, convert, b, 0, P / kTilePairs, block);
-                converted = b;
-                w = block;
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < row_tiles; t++) pack_rows(c, t);
+            const Plan plan(c, threads);
+            const int64_t first = plan.tasks() * me / threads;
+            const int64_t last = plan.tasks() * (me + 1) / threads;
+            float* sums = nullptr;
+            uint16_t* converted = nullptr;
+            if (first < last) {
+                sums = static_cast<float*>(spyre_linear::thread_scratch<kSumsSlot>(
+                    plan.row_chunk * plan.panel_blocks * kBlockCols * 4));
+                if (c.fp8 != nullptr)
+                    converted = static_cast<uint16_t*>(spyre_linear::thread_scratch<kConvertedSlot>(
+                        plan.panel_blocks * plan.chunk_pairs * kPairBytes));
+                no_memory = sums == nullptr || (c.fp8 != nullptr && converted == nullptr);
             }
-            const int64_t rows = c.M - r0 < row_chunk ? c.M - r0 : row_chunk;
-            task(c, b, reinterpret_cast<const char*>(w), r0, rows, partial, shape);
+            for (int64_t t = first; t < last && !no_memory; t++)
+                panel_task(c, plan, t, sums, converted, convert, shape);
         }
         if (shape != -1) _tile_release();
         _mm_setcsr(csr);
@@ -372,8 +450,8 @@ int spyre_linear_bf16_amx(const uint16_t* x, const uint16_t* packed, const uint1
                           uint16_t* y, int64_t M, int64_t K, int64_t N) {
 #ifdef SPYRE_DOT_BF16
     if (K % (2 * kTilePairs) != 0) return 0;
-    if (M > 0 && N > 0) linear(Call{x, packed, nullptr, nullptr, bias, y, M, K, N});
-    return 2;
+    if (M == 0 || N == 0) return 2;
+    return linear(Call{x, packed, nullptr, nullptr, bias, y, M, K, N}) ? 2 : -1;
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)K, (void)N;
     return 0;

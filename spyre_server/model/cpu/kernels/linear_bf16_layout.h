@@ -17,19 +17,25 @@ constexpr int64_t kPairValues = 128;  // bfloat16 values of one pair of a block 
 inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
 inline int64_t blocks_of(int64_t N) { return (N + kBlockCols - 1) / kBlockCols; }
 
-namespace {  // one buffer per file and thread
+namespace {  // one set of buffers per file and thread
 
-// The calling thread's bfloat16 buffer for one block of P pairs (kept and grown, 64-byte
-// aligned): where an FP8 block is converted. nullptr without memory.
-inline uint16_t* thread_block_scratch(int64_t P) {
-    thread_local uint16_t* buffer = nullptr;
+// The calling thread's buffer number Slot of at least `bytes` bytes (kept and grown, 64-byte
+// aligned), or nullptr without memory. A caller takes one slot per use it holds at once.
+template <int Slot>
+inline void* thread_scratch(int64_t bytes) {
+    thread_local void* buffer = nullptr;
     thread_local int64_t capacity = 0;
-    if (P > capacity) {
+    if (bytes > capacity) {
         free(buffer);
-        buffer = static_cast<uint16_t*>(aligned_alloc(64, P * kPairValues * 2));
-        capacity = buffer == nullptr ? 0 : P;
+        buffer = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        capacity = buffer == nullptr ? 0 : bytes;
     }
     return buffer;
+}
+
+// The calling thread's bfloat16 buffer for one block of P pairs: where an FP8 block is converted.
+inline uint16_t* thread_block_scratch(int64_t P) {
+    return static_cast<uint16_t*>(thread_scratch<0>(P * kPairValues * 2));
 }
 
 }  // namespace

@@ -58,7 +58,8 @@ SHAPES = [
     (100, 64, True),  # a partial second column block
     (130, 96, True),
     (70, 320, True),
-    (200, 1088, False),  # 544 pairs: a prefill task's sums in five chunks (4 x 128 + 32)
+    (200, 1088, False),  # 544 pairs: a prefill task's sums in several chunks, the last short
+    (1000, 256, True),  # 16 blocks (the last partial): panels of 4, several a thread
 ]
 
 
@@ -116,6 +117,27 @@ def test_a_row_has_the_same_bits_in_a_call_of_any_size(
                         assert torch.equal(part, full[start : start + rows]), (rows, start)
         finally:
             torch.set_num_threads(threads)
+
+
+def test_a_call_of_more_rows_than_a_task_takes_is_exact_and_row_invariant() -> None:
+    """1,100 rows: more than a task's row chunk (512), so three chunks of rows per panel, the
+    last a partial row tile; integer sums stay exact and each row has the bits it has alone."""
+    torch.manual_seed(5)
+    linear = bf16_linear(600, 128, True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randint(-8, 9, linear.weight.shape))
+        linear.bias.copy_(torch.randint(-100, 101, linear.bias.shape))
+    native = amx_linear(linear)
+    x = torch.randint(-8, 9, (1100, 128)).bfloat16()
+    exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+    with torch.inference_mode():
+        full = native(x)
+        assert torch.equal(full, exact.bfloat16())
+        y = torch.randn(1100, 128).bfloat16()
+        full = native(y).view(torch.int16)
+        for start, rows in ((0, 1), (511, 2), (1024, 76), (1099, 1)):
+            part = native(y[start : start + rows].contiguous()).view(torch.int16)
+            assert torch.equal(part, full[start : start + rows]), (start, rows)
 
 
 def test_denormal_inputs_count_as_zero_and_nan_stays_in_its_row() -> None:
@@ -207,7 +229,9 @@ def every_finite_fp8(out_features: int, in_features: int, seed: int) -> torch.Te
     return finite[picks].view(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (130, 96), (200, 1088)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(64, 32), (130, 96), (200, 1088), (1000, 256)]
+)
 def test_fp8_weights_give_the_bits_of_their_bfloat16_values(
     out_features: int, in_features: int
 ) -> None:
