@@ -43,15 +43,9 @@ SOURCES = (
     KERNELS / "attention_dot_bf16.cpp",
     KERNELS / "rank_sync.cpp",
 )
-HEADERS = (
-    KERNELS / "attention_common.h",
-    KERNELS / "avx2_math.h",
-    KERNELS / "bf16_avx2.h",
-    KERNELS / "native_avx512.h",
-    KERNELS / "dot_bf16_compiled.h",
-    KERNELS / "linear_bf16_layout.h",
-)
-"""Included by the sources: hashed into the library's name with them."""
+HEADERS = tuple(sorted(KERNELS.glob("*.h")))
+"""Every header beside the sources (what they include): hashed into the library's name with them,
+so an edited header rebuilds it."""
 FLAGS = (
     "-std=c++17",
     "-O3",

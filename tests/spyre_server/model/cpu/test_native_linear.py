@@ -225,6 +225,18 @@ def test_build_caches_by_source_and_flags(tmp_path: Path, monkeypatch: pytest.Mo
     assert native_kernels.library_name() != first.name  # an edited header: another library
 
 
+def test_every_header_the_kernels_include_is_hashed() -> None:
+    """The library's name hashes HEADERS: a header a source includes but HEADERS missed would
+    let an edit to it reuse the stale library."""
+    hashed = {h.name for h in native_kernels.HEADERS}
+    included = set()
+    for source in (*native_kernels.SOURCES, *native_kernels.HEADERS):
+        for line in source.read_text().splitlines():
+            if line.startswith('#include "'):
+                included.add(line.split('"')[1])
+    assert "fp8_bf16.h" in included and included <= hashed
+
+
 def test_the_default_kernel_dir_is_beside_the_model_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
