@@ -114,7 +114,7 @@ struct Call {
 
     // The A tile of row tile t's step s (16 pairs) in xa: 16 rows of 64 bytes, contiguous; the
     // two row tiles of 32 rows interleaved a step at a time (one stream for the tile loop).
-    const uint16_t* a_tile(int64_t t, int64_t s) const {
+    uint16_t* a_tile(int64_t t, int64_t s) const {
         const int64_t tiles = (t / 2 * (K / 2 / kTilePairs) + s) * 2 + t % 2;
         return xa + tiles * kTileRows * 2 * kTilePairs;
     }
@@ -350,7 +350,7 @@ inline void pack_rows(const Call& c, int64_t t) {
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t* src = c.x + (t * kTileRows + i) * c.K;
         for (int64_t s = 0; s < S; s++)
-            _mm512_store_si512(const_cast<uint16_t*>(c.a_tile(t, s)) + i * 2 * kTilePairs,
+            _mm512_store_si512(c.a_tile(t, s) + i * 2 * kTilePairs,
                                _mm512_loadu_si512(src + s * 2 * kTilePairs));
     }
 }
