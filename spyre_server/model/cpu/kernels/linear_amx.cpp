@@ -173,14 +173,16 @@ inline void four_groups(const uint16_t* xp, int64_t ldx, const char* wp) {
     _tile_dpbf16ps(3, 4, 7);
 }
 
+// Bytes of one 16-pair step of a block's packed weights (FP8: one a value).
+constexpr int64_t decode_step_bytes(bool fp8) { return fp8 ? kStepValues : 2 * kStepValues; }
+
 // A decode call's software prefetch for the weights of one 16-pair step at wp:
 // bfloat16 weights into L1 kAheadBytes ahead; FP8 ones (converted before the tiles read them,
 // which leaves the stream less time) kFp8AheadBytes ahead into L1 and kFp8FarBytes ahead into
 // the outer caches (the T2 hint). A prefetch past the weights' end faults nothing.
 template <bool FP8>
 inline void stream_ahead(const char* wp) {
-    constexpr int64_t step_bytes = FP8 ? kStepValues : 2 * kStepValues;
-    for (int64_t line = 0; line < step_bytes; line += 64) {
+    for (int64_t line = 0; line < decode_step_bytes(FP8); line += 64) {
         _mm_prefetch(wp + (FP8 ? kFp8AheadBytes : kAheadBytes) + line, _MM_HINT_T0);
         if (FP8) _mm_prefetch(wp + kFp8FarBytes + line, _MM_HINT_T2);
     }
@@ -195,7 +197,7 @@ inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8ToBf
     const bool fp8 = c.fp8 != nullptr;
     const char* w = fp8 ? reinterpret_cast<const char*>(c.fp8 + b * P * kPairValues)
                         : reinterpret_cast<const char*>(c.packed + b * P * kPairValues);
-    const int64_t step_bytes = fp8 ? kStepValues : 2 * kStepValues;  // of w, per 16 pairs
+    const int64_t step_bytes = decode_step_bytes(fp8);
     const int64_t S = P / kTilePairs;
     for (int64_t s = 0; fp8 && s < kConvertAhead && s < S; s++)
         convert_steps(c, convert, b, s, s + 1, ring + s % kRingSteps * kStepValues);
