@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from spyre_server.model.cpu.kernels.library import NativeKernels
+from spyre_server.model.cpu.ops.huge_pages import huge_page_empty
 from spyre_server.model.cpu.ops.packed_linear import replace_linears
 from spyre_server.model.fp8 import Fp8Linear, fake_quantize_fp8
 
@@ -58,8 +59,10 @@ class NativeLinear(torch.nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = weight.contiguous()
-        panels = torch.empty(kernels.packed_numel(self.out_features, self.in_features))
-        assert panels.data_ptr() % _PANEL_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
+        panels = huge_page_empty(
+            kernels.packed_numel(self.out_features, self.in_features), torch.float32
+        )
+        assert panels.data_ptr() % _PANEL_ALIGNMENT == 0, "huge_page_empty aligns to 64 or more"
         kernels.pack(weight.data_ptr(), panels.data_ptr(), self.out_features, self.in_features)
         self.register_buffer("panels", panels, persistent=False)
         self.bias = linear.bias
@@ -112,8 +115,8 @@ class NativeBf16Linear(torch.nn.Module):
         self.out_features = linear.out_features
         weight = weight.contiguous()
         numel = kernels.linear_bf16_packed_numel(self.out_features, self.in_features)
-        packed = torch.empty(numel, dtype=torch.bfloat16)
-        assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
+        packed = huge_page_empty(numel, torch.bfloat16)
+        assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "huge_page_empty aligns to 64 or more"
         self.on_amx = kernels.linear_bf16_on_amx and self.in_features % AMX_K_MULTIPLE == 0
         sizes = (weight.data_ptr(), packed.data_ptr(), self.out_features, self.in_features)
         if not self.on_amx:
@@ -201,11 +204,11 @@ class NativeFp8Linear(torch.nn.Module):
         if not bool(torch.isfinite(scale).all()):
             raise ValueError("an FP8 weight scale is not finite")
         weight = weight.detach().contiguous()
-        packed = torch.empty(
-            kernels.linear_fp8_packed_numel(self.out_features, self.in_features), dtype=torch.uint8
+        packed = huge_page_empty(
+            kernels.linear_fp8_packed_numel(self.out_features, self.in_features), torch.uint8
         )
         packed_scale = torch.empty(-(-self.out_features // 64) * 64)
-        assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "torch's CPU allocator aligns to 64"
+        assert packed.data_ptr() % _PACKED_ALIGNMENT == 0, "huge_page_empty aligns to 64 or more"
         self.on_amx = kernels.linear_bf16_on_amx and self.in_features % AMX_K_MULTIPLE == 0
         pack = kernels.linear_fp8_amx_pack if self.on_amx else kernels.linear_fp8_pack
         nan = pack(
