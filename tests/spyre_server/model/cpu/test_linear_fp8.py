@@ -240,6 +240,14 @@ def test_the_native_input_rounding_gives_torchs_bits(path: NativeKernels, scale:
     number = ~x.isnan()
     assert torch.equal(out[number].view(torch.int16), expected[number].view(torch.int16))
     assert out[~number].isnan().all()
+    # A length that is not a multiple of the kernel's 8 lanes: the last values one at a time.
+    shuffled = x[number][
+        torch.randperm(int(number.sum()), generator=torch.Generator().manual_seed(0))
+    ]
+    tail = shuffled[: 8 * 5 + 7].clone()
+    out = torch.full_like(tail, 7.0)
+    path.fake_quantize_fp8_bf16(tail.data_ptr(), float(s), out.data_ptr(), tail.numel())
+    assert torch.equal(out.view(torch.int16), fake_quantize_fp8(tail, s).view(torch.int16))
 
 
 def compressed_tensors_dynamic_fake_quantize(x: torch.Tensor) -> torch.Tensor:
