@@ -9,9 +9,10 @@ the first writes (the packing) fault them in as huge pages.
 
 This is advice: where the kernel ignores it (THP ``never``, or not built) the tensor is the
 same, on small pages, and only the speed differs; nothing computed depends on it. Tensors under
-2 MB are plain ``torch.empty`` (they cannot fill a huge page). The over-allocation is virtual:
-the bytes before the 2 MB boundary are never touched, and the tail past the last whole 2 MB page
-is not advised.
+2 MB are plain ``torch.empty`` (they cannot fill a huge page). The over-allocation is virtual
+where the allocator maps fresh memory: the bytes before the 2 MB boundary are never touched, and
+the tail past the last whole 2 MB page is not advised here (memory the allocator reuses keeps
+whatever advice it had).
 """
 
 from __future__ import annotations
