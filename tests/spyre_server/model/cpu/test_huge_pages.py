@@ -21,17 +21,27 @@ needs_thp = pytest.mark.skipif(
 )
 
 
+def mapping_fields(address: int) -> dict[str, str]:
+    """The ``/proc/self/smaps`` fields of the mapping that holds ``address``."""
+    fields: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):
+            if fields is not None:
+                break
+            start, end = (int(part, 16) for part in head.split("-"))
+            if start <= address < end:
+                fields = {}
+        elif fields is not None:
+            fields[head.rstrip(":")] = rest.strip()
+    if fields is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return fields
+
+
 def advised_huge(address: int) -> bool:
     """Whether the mapping holding ``address`` carries MADV_HUGEPAGE (``hg`` in its VmFlags)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return "hg" in line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return "hg" in mapping_fields(address)["VmFlags"].split()
 
 
 @needs_thp
@@ -45,6 +55,22 @@ def test_from_2_mb_the_data_starts_on_a_huge_page_and_is_advised(dtype: torch.dt
     assert advised_huge(tensor.data_ptr() + 5 * HUGE_PAGE_BYTES - 1)
     tensor.fill_(3)  # every byte is the tensor's own, writable
     assert int(tensor[-1]) == 3 and int(tensor[0]) == 3
+
+
+@needs_thp
+def test_its_memory_is_untouched_until_written_even_after_the_heap_served_large_blocks() -> None:
+    """Advice does not replace the 4 KB pages of memory already written, and glibc serves blocks
+    of up to 32 MB from reused heap memory once a large block has been freed: the tensor's pages
+    must be fresh, none resident before the first write, for that write to fault huge pages."""
+    for _ in range(3):
+        churn = torch.ones(40 << 20, dtype=torch.uint8)  # freed: glibc raises its mmap threshold
+        del churn
+    for nbytes in (3 * HUGE_PAGE_BYTES, 9 * HUGE_PAGE_BYTES + 100):
+        tensor = huge_page_empty(nbytes, torch.uint8)
+        assert mapping_fields(tensor.data_ptr())["Rss"] == "0 kB", nbytes
+        assert advised_huge(tensor.data_ptr())
+        tensor.fill_(1)
+        assert int(tensor.sum()) == nbytes
 
 
 def test_under_2_mb_it_is_a_plain_tensor() -> None:
