@@ -61,8 +61,9 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma")
 AVX512_BF16_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 """What ``kernels/attention_dot_bf16.cpp``'s AVX512-BF16 kernel runs on (compiled for them
 whatever the build machine)."""
-AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", *AVX512_BF16_CPU_FLAGS)
-"""What its AMX kernel runs on, and ``kernels/linear_amx.cpp``'s."""
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512vbmi", *AVX512_BF16_CPU_FLAGS)
+"""What its AMX kernel runs on, and ``kernels/linear_amx.cpp``'s (its FP8 conversion's byte
+tables: AVX512-VBMI, which every CPU with AMX has)."""
 DOT_BF16_NOT_COMPILED = (
     "the native kernels were compiled without AMX intrinsics, which the bfloat16 dot-product "
     "attention kernels (amx, avx512_bf16) are built with (they need g++ 11 or later)"

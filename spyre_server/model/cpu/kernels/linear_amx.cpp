@@ -22,10 +22,15 @@
 // rounding error taken as a whole unit (2^-23) a step instead of half.
 //
 // FP8 weights (float8_e4m3fn, a float32 scale per column: linear_bf16.cpp's FP8 form) are packed
-// in the same order, one byte a value, then a byte per 16 pairs of a block saying whether one of
-// their values has exponent 0. Every float8_e4m3fn value is exactly a bfloat16 value, so the
-// kernel converts them (fp8_bf16.h, no rounding) and sums as above, then multiplies the float32
-// sum by the column's scale before the bias: y[m][n] = bf16(acc * scale[n] + bias[n]). A decode
+// in the same order, one byte a value (the values of each two tile rows interleaved, as
+// fp8_bf16.h's Fp8PairedRowsToScaledBf16 reads them), then a byte per 16 pairs of a block saying
+// whether one of their values has exponent 0. Every float8_e4m3fn value times 2^-8 is exactly a
+// bfloat16 value, so the kernel converts them to that (no rounding; the scaling makes the
+// exponent's rebias an OR, and steps with exponent-0 values take a table) and sums as above, then
+// multiplies the float32 sum by 2^8 (exact) and by the column's scale before the bias:
+// y[m][n] = bf16(acc * 2^8 * scale[n] + bias[n]). The same bits as summing the unscaled values,
+// except that a product or partial sum below 2^-118 in magnitude (float32's smallest normal
+// times 2^8) is flushed to zero as the tiles flush one below 2^-126. A decode
 // call converts each 16 pairs into a ring of 4 KB steps in L1 that the tiles load from, two
 // steps ahead of them (a step reads one byte a weight); more rows convert a task's chunk of
 // weights (below) once, for all its rows.
@@ -47,7 +52,7 @@
 #include "dot_bf16_compiled.h"
 
 #ifdef SPYRE_DOT_BF16
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,amx-tile,amx-bf16")
 #include <immintrin.h>
 #include <omp.h>
 
@@ -57,7 +62,8 @@
 namespace {
 
 using spyre_linear::blocks_of;
-using spyre_linear::Fp8ToBf16;
+using spyre_linear::Fp8PairedRowsToScaledBf16;
+using spyre_linear::kFp8ScaledBy;
 using spyre_linear::kBlockCols;
 using spyre_linear::kGroupCols;
 using spyre_linear::kPairValues;
@@ -127,22 +133,27 @@ struct Call {
     }
 };
 
-// FP8: the 16-pair steps [s0, s1) of block b (tile order kept) as bfloat16 into dst (step s0 at
-// dst), exact; the short conversion for steps without exponent-0 values.
-inline void convert_steps(const Call& c, const Fp8ToBf16& convert, int64_t b, int64_t s0,
+// FP8: the 16-pair steps [s0, s1) of block b (tile order kept) as bfloat16 times kFp8ScaledBy
+// into dst (step s0 at dst), exact; the short conversion for steps without exponent-0 values.
+inline void convert_steps(const Call& c, const Fp8PairedRowsToScaledBf16& convert, int64_t b, int64_t s0,
                           int64_t s1, uint16_t* dst) {
     const int64_t P = c.K / 2;
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t* src = c.fp8 + (b * P + s * kTilePairs) * kPairValues;
         uint16_t* out = dst + (s - s0) * kStepValues;
-        if (__builtin_expect(c.zero_exponent(b, s * kTilePairs), 0)) {
-            for (int64_t v = 0; v < kStepValues; v += 32)
-                _mm512_store_si512(out + v, convert(src + v));
+        if (c.zero_exponent(b, s * kTilePairs)) {
+            for (int64_t v = 0; v < kStepValues; v += 64) convert.any(src + v, out + v);
         } else {
-            for (int64_t v = 0; v < kStepValues; v += 32)
-                _mm512_store_si512(out + v, convert.normal(src + v));
+            for (int64_t v = 0; v < kStepValues; v += 64) convert.normal(src + v, out + v);
         }
     }
+}
+
+// FP8: the byte of a packed step that holds the value at `at` in the step's tile order (each 64
+// values, two tile rows, interleaved as Fp8PairedRowsToScaledBf16 reads them).
+constexpr int64_t paired_rows_byte(int64_t at) {
+    const int64_t i = at % 64;
+    return at - i + (i < 32 ? 2 * i : 2 * (i - 32) + 1);
 }
 
 // Rows [r0, r0 + rows) of block b from the sums in `partial` (row stride kBlockCols).
@@ -151,11 +162,13 @@ inline void finish(const Call& c, int64_t b, int64_t r0, int64_t rows, const flo
     const int64_t cols = c.N - c0 < kBlockCols ? c.N - c0 : kBlockCols;
     const uint16_t* bias = c.bias == nullptr ? nullptr : c.bias + c0;
     const float* scale = c.scale == nullptr ? nullptr : c.scale + c0;
+    // FP8: the sums of the scaled weights back to the weights' (exact: a power of two).
+    const __m512 unscale = _mm512_set1_ps(scale == nullptr ? 1.0f : 1.0f / kFp8ScaledBy);
     for (int64_t i = 0; i < rows; i++)
         for (int64_t g = 0; g < kBlockCols / kGroupCols; g++)
-            spyre_linear::store_group(_mm512_load_ps(partial + i * kBlockCols + g * kGroupCols),
-                                      scale, bias, g * kGroupCols, cols,
-                                      c.y + (r0 + i) * c.N + c0);
+            spyre_linear::store_group(
+                _mm512_mul_ps(_mm512_load_ps(partial + i * kBlockCols + g * kGroupCols), unscale),
+                scale, bias, g * kGroupCols, cols, c.y + (r0 + i) * c.N + c0);
 }
 
 // One 16-pair step of one row tile against a block's four groups: the rows' 32 values at xp (row
@@ -191,7 +204,7 @@ inline void stream_ahead(const char* wp) {
 // A call of up to kDecodeRows rows, block b: its four groups' sums in one pass over its pairs,
 // streamed ahead, into `partial`. FP8: each 16 pairs converted into the `ring` (kRingSteps steps
 // of 4 KB, in L1) kConvertAhead steps before the tiles load them from there.
-inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8ToBf16& convert,
+inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8PairedRowsToScaledBf16& convert,
                          uint16_t* ring) {
     const int64_t P = c.K / 2;
     const bool fp8 = c.fp8 != nullptr;
@@ -327,7 +340,7 @@ struct TaskSpan {
 // 32 rows' output written after their last chunk; FP8 weights converted a chunk at a time into
 // `converted` (the panel's blocks one after another, chunk_pairs pairs each).
 inline void panel_task(const Call& c, const Plan& plan, int64_t t, float* sums,
-                       uint16_t* converted, const Fp8ToBf16& convert, int& shape) {
+                       uint16_t* converted, const Fp8PairedRowsToScaledBf16& convert, int& shape) {
     const int64_t P = c.K / 2, chunk = plan.chunk_pairs;
     const TaskSpan task(c, plan, t);
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
@@ -381,7 +394,7 @@ bool linear(Call c) {
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | kFlushDenormals);
-        const Fp8ToBf16 convert;
+        const Fp8PairedRowsToScaledBf16 convert;
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         int shape = -1;
         if (decode) {
@@ -496,7 +509,8 @@ int64_t spyre_linear_fp8_amx_pack(const uint8_t* w, const float* scale, int64_t 
                         const uint8_t v = n < N ? w[n * K + k] : 0;
                         nan += (v & 0x7F) == 0x7F;
                         zero_exponent |= (v & 0x78) == 0;
-                        step[c / kGroupCols * kTileValues + q * kRowValues + c % kGroupCols * 2 + e] = v;
+                        step[paired_rows_byte(c / kGroupCols * kTileValues + q * kRowValues +
+                                              c % kGroupCols * 2 + e)] = v;
                     }
             packed[blocks * P * kPairValues + (b * P) / kTilePairs + s] = zero_exponent;
         }

@@ -220,26 +220,32 @@ def amx_fp8(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     return native
 
 
-def every_finite_fp8(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+def every_finite_fp8(
+    out_features: int, in_features: int, seed: int, zero_exponents: bool = True
+) -> torch.Tensor:
     """A float8_e4m3fn weight holding each of the 254 finite bytes (both zeros and every
-    subnormal among them), shuffled."""
-    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    subnormal among them), shuffled; without ``zero_exponents``, each of the 224 with a nonzero
+    exponent."""
+    finite = [b for b in range(256) if b & 0x7F != 0x7F and (zero_exponents or b & 0x78)]
+    codes = torch.tensor(finite, dtype=torch.uint8)
     generator = torch.Generator().manual_seed(seed)
-    picks = torch.randint(0, len(finite), (out_features, in_features), generator=generator)
-    return finite[picks].view(torch.float8_e4m3fn)
+    picks = torch.randint(0, len(codes), (out_features, in_features), generator=generator)
+    return codes[picks].view(torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(64, 32), (130, 96), (200, 1088), (1000, 256)]
 )
+@pytest.mark.parametrize("zero_exponents", [True, False])
 def test_fp8_weights_give_the_bits_of_their_bfloat16_values(
-    out_features: int, in_features: int
+    out_features: int, in_features: int, zero_exponents: bool
 ) -> None:
     """Every float8_e4m3fn value is a bfloat16 value: with a scale of 1 the FP8 kernel's output
     is the bfloat16 AMX kernel's on the converted weight, bit for bit, at decode and prefill
-    sizes (each of the 254 finite bytes in the weight; steps with and without exponent-0
-    values)."""
-    weight = every_finite_fp8(out_features, in_features, seed=in_features)
+    sizes: each of the 254 finite bytes in the weight (steps with and without exponent-0
+    values, converted two ways), or each of the 224 with a nonzero exponent (every step
+    converted the short way)."""
+    weight = every_finite_fp8(out_features, in_features, in_features, zero_exponents)
     weight[:, :32] = torch.ones(out_features, 32).to(torch.float8_e4m3fn)  # a step without zeros
     fp8 = amx_fp8(weight, torch.ones(1))
     linear = bf16_linear(out_features, in_features)
