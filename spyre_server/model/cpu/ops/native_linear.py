@@ -43,6 +43,15 @@ AMX_K_MULTIPLE = 32
 """The AMX linear kernel's input sizes: multiples of this (whole tiles of pairs)."""
 
 
+def _check_status(status: int, on_amx: bool, kernel: str) -> None:
+    """Raise for a bfloat16 or FP8 linear kernel's failed call: no memory for its scratch
+    (``status`` < 0), or the AMX kernel refusing (0) a call its layer was checked for."""
+    if status < 0:
+        raise MemoryError(f"{kernel} found no memory for its scratch")
+    if status == 0 and on_amx:
+        raise RuntimeError("the AMX linear kernel refused a call it was checked for")
+
+
 class NativeLinear(torch.nn.Module):
     panels: torch.Tensor
     kernels: NativeKernels
@@ -145,10 +154,7 @@ class NativeBf16Linear(torch.nn.Module):
                 self.in_features,
                 self.out_features,
             )
-            if status < 0:
-                raise MemoryError("the bfloat16 linear kernel found no memory for one row")
-            if status == 0 and self.on_amx:
-                raise RuntimeError("the AMX linear kernel refused a call it was checked for")
+            _check_status(status, self.on_amx, "the bfloat16 linear kernel")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -262,10 +268,7 @@ class NativeFp8Linear(torch.nn.Module):
                 self.in_features,
                 self.out_features,
             )
-            if status < 0:
-                raise MemoryError("the FP8 linear kernel found no memory for its scratch")
-            if status == 0 and self.on_amx:
-                raise RuntimeError("the AMX linear kernel refused a call it was checked for")
+            _check_status(status, self.on_amx, "the FP8 linear kernel")
         return out.view(*x.shape[:-1], self.out_features)
 
     def _fake_quantize(self, rows: torch.Tensor) -> torch.Tensor:
