@@ -263,7 +263,8 @@ class NativeKernels:
     """(x, packed, packed_scale, bias or None, out, M, K, N) -> 2 where it ran, 0 where it
     cannot (as the packing), -1 where it found no memory: ``linear_bf16_amx`` on the FP8 values
     (exact in bfloat16), each sum times its column's scale before the bias
-    (``kernels/linear_amx.cpp``); only where ``linear_bf16_on_amx``."""
+    (``kernels/linear_amx.cpp``: it sums the values times 2^-8 and scales back, so a product or
+    partial sum below 2^-118 flushes to zero); only where ``linear_bf16_on_amx``."""
     linear_bf16_dot: bool
     """Whether ``linear_bf16`` computes with AVX512-BF16 dot products (``avx512`` and the CPU
     has AVX512-BF16), else with AVX2 and FMA."""
