@@ -185,18 +185,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M)")
     args = parser.parse_args()
 
     config = load_config(
         environ={},
         overrides={
             "model.num_threads": args.threads,
+            "model.path": args.model,
             "scheduler.max_num_seqs": args.batch,
             "server.log_level": "warning",
         },
     )
     loaded = load(config)
-    app = build_app(config, loaded)
+    app = build_app(config, loaded, num_threads=args.threads)
     prompt_ids = prompts(loaded.tokenizer, args.batch, args.prompt_len)
     server, port, thread = start_server(app)
     engine = app.state.server.engine.core
