@@ -247,24 +247,6 @@ inline void locate_tile(const Context<T>& ctx, int64_t t0, int64_t nk, Work<D, T
     });
 }
 
-// Reads the values [off, off + count) of the tile's key and value rows ([0, nk)) in order, one
-// load per cache line, before the compute uses them. The compute reads a head's slice of each
-// row a transposed column or a value row at a time, which leaves most of a decode step's cache
-// misses serial; these loads are independent and in address order, so many are in flight and
-// the hardware prefetcher follows them.
-template <typename T>
-inline void touch_rows(const T* const* krows, const T* const* vrows, int64_t nk, int64_t off,
-                       int64_t count) {
-    constexpr int64_t line = 64 / sizeof(T);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < nk; j++)
-        for (int64_t c = off; c < off + count; c += line) {
-            acc = _mm256_add_ps(acc, load8(krows[j] + c));
-            acc = _mm256_add_ps(acc, load8(vrows[j] + c));
-        }
-    __asm__ __volatile__("" : : "x"(acc));  // the loads are kept: their value is "used"
-}
-
 // w.kt [D][kTile] = the tile's keys of head h (zeros past nk).
 template <int64_t D, typename T>
 inline void transpose_keys(int64_t h, int64_t nk, Work<D, T>& w) {
@@ -402,12 +384,14 @@ template <int64_t D>
 struct Layout {
     // Floats of scratch, in order: qs [H][R][D]; shared out [H][Rp][D] and lse [H][Rp]; per
     // (head, split) the shared part's results (States of Rp rows); per thread: a shared Work of
-    // R rows, or an own task's Work and results of kOwnRows rows.
+    // R rows, or an own task's Work and results of kOwnRows rows for each of up to kOwnHeads
+    // heads.
     int64_t H, R, threads;
     int64_t Rp() const { return round16(R); }
     static int64_t own_offset() { return Work<D, float>::numel(kOwnRows); }
     int64_t thread_work() const {
-        const int64_t own = own_offset() + States<D, 1>::numel(kOwnRows);
+        const int64_t own_heads = H < kOwnHeads ? H : kOwnHeads;
+        const int64_t own = own_offset() + own_heads * States<D, 1>::numel(kOwnRows);
         const int64_t shared = Work<D, float>::numel(R);
         return own > shared ? own : shared;
     }
@@ -435,7 +419,7 @@ void paged_attention(bool wide, const Args<T>& a) {
         const auto tile = [&](int64_t sp, int64_t t0, int64_t nk) {
             Work<D, T> w(works + sp * lay.thread_work(), R);
             locate_tile<D, T>(ctx, t0, nk, w);
-            touch_rows(w.krows, w.vrows, nk, 0, ctx.ldk);  // every head's: the rows are contiguous
+            touch_rows(ctx, t0, nk, 0, ctx.ldk);  // every head's: the rows are contiguous
             for (int64_t h = 0; h < H; h++) {
                 const int64_t slot = h * splits + sp;
                 attend_tile<D, T>(wide, qs + h * R * D, R, h, t0, nk, nullptr, nullptr, scale2,
@@ -452,7 +436,6 @@ void paged_attention(bool wide, const Args<T>& a) {
         while (end > first && t.firsts[end - 1] >= t0 + nk) end--;
         Work<D, T> w(t.scratch, kOwnRows);
         locate_tile<D, T>(t.ctx, t0, nk, w);
-        touch_rows(w.krows, w.vrows, nk, t.h * D, D);
         const float* q = qs + (t.h * R + t.b * a.Rb() + t.r0 + first) * D;
         attend_tile<D, T>(wide, q, end - first, t.h, t0, nk, t.firsts + first, t.limits + first,
                           scale2, t.st.o(0) + first * D, t.st.m(0) + first, t.st.l(0) + first, w);

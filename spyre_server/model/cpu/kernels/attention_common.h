@@ -7,8 +7,9 @@
 //   once, in order), then merges the ranges' partial results. Splitting by heads and query
 //   blocks only, as SDPA's flash kernel does, leaves a decode step with fewer KV heads than
 //   threads with idle threads, and reads the keys once per head;
-// - each sequence's own blocks, causal: own_part runs one task per (sequence, KV head, block of
-//   rows) and merges each row with the shared part's result as it writes it.
+// - each sequence's own blocks, causal: own_part runs one task per (sequence, block of rows,
+//   part of the KV heads), reading each tile of keys once for the part's heads, and merges each
+//   row with the shared part's result as it writes it.
 // With a sliding window of W keys a query at position p sees the keys at p - W + 1 .. p; the
 // shared blocks then lie wholly inside every query's window, and a sequence's own blocks start
 // at the block of the first key its first query sees (Args::own_start). Without one (W = 0) a
@@ -117,6 +118,24 @@ struct Context {
     }
 };
 
+// Reads the values [off, off + count) of the key and value rows of keys [t0, t0 + nk) of ctx in
+// address order, one load per cache line, before a tile's compute uses them. The compute reads
+// one head's slice of each row at a time (a transposed column, a value row), which leaves most
+// of a decode step's cache misses serial; these loads are independent and in order, so many are
+// in flight and the hardware prefetcher follows them.
+template <typename T>
+inline void touch_rows(const Context<T>& ctx, int64_t t0, int64_t nk, int64_t off, int64_t count) {
+    constexpr int64_t kLine = 64 / sizeof(T);
+    uint32_t acc = 0;
+    ctx.keys(t0, nk, [&](int64_t, int64_t at) {
+        for (int64_t c = off; c < off + count; c += kLine) {
+            acc += *reinterpret_cast<const volatile uint32_t*>(ctx.k + at + c);
+            acc += *reinterpret_cast<const volatile uint32_t*>(ctx.v + at + c);
+        }
+    });
+    __asm__ __volatile__("" : : "r"(acc));  // the loads are kept: their value is "used"
+}
+
 // The queries of every KV head, together: qs [H][ld][D] (ld >= R), row r of head h =
 // convert(q's row), zeros past R.
 template <int64_t D, typename T, typename Q, class Convert>
@@ -202,8 +221,8 @@ void split_merge(int64_t H, int64_t R, int64_t L, int64_t splits, const States<D
     }
 }
 
-// One task of own_part: KV head h of sequence b, its rows r0 .. r0 + rows - 1 (of the
-// sequence's Rb).
+// One head of one task of own_part: KV head h of sequence b, its rows r0 .. r0 + rows - 1 (of
+// the sequence's Rb).
 template <int64_t D, int64_t Lanes, typename T>
 struct OwnTask {
     int64_t b, h, r0, rows;
@@ -211,36 +230,56 @@ struct OwnTask {
     const int64_t* firsts;   // row r0 + i sees the own keys from firsts[i] (0 without a window)
     const int64_t* limits;   // ... up to before limits[i]; both 0 past `rows`
     float* scratch;          // the thread's
-    States<D, Lanes> st;     // slot 0: the rows' results
+    States<D, Lanes> st;     // slot 0: the rows' results for head h
 };
 
-// The own blocks: one task per (sequence, KV head, block of OwnRows rows), causal, dynamically
-// over a.threads threads (Unit::begin() and end() around each thread's). A thread's scratch is
-// works + thread * stride, its tasks' results `offset` floats into it. Own key j of sequence b
-// is at position own_start(b) + j before the shared keys and own_start(b) + shared_len + j
-// after them, so row r0 + i's query, at position p, sees the own keys from
-// max(0, p - W + 1 - own_start(b)) with a window W (else from 0) up to before
-// p + 1 - own_start(b) - shared_len; tile(task, t0, nk) attends the task's rows to keys
-// [t0, t0 + nk), for the tiles of Tile keys from the one holding its first row's first key to
-// the one holding its last row's last. Then each row is merged with the shared part's result
-// (shared_out [H][Rp][D] and shared_lse [H][Rp], where there are shared blocks) and written to
-// a.out.
+// Most KV heads one task of own_part covers: a thread's scratch holds this many States of the
+// task's rows.
+constexpr int64_t kOwnHeads = 8;
+
+// How many parts own_part cuts the H KV heads into, for `tasks` (sequences x row blocks) on
+// `threads` threads: at most kOwnHeads heads a part, and at least two tasks a thread where there
+// are heads enough (dynamic scheduling evens out contexts of different lengths).
+inline int64_t own_head_parts(int64_t H, int64_t tasks, int64_t threads) {
+    int64_t parts = (H + kOwnHeads - 1) / kOwnHeads;
+    const int64_t busy = (4 * threads + tasks - 1) / tasks;
+    if (parts < busy) parts = busy < H ? busy : H;
+    return parts;
+}
+
+// The own blocks: one task per (sequence, block of OwnRows rows, part of the KV heads), causal,
+// dynamically over a.threads threads (Unit::begin() and end() around each thread's). A task
+// walks its keys a tile at a time: it reads the tile's rows of its part's heads in order
+// (touch_rows), then attends every head of the part to the tile before the next. The cache
+// interleaves the heads, so the part's slices of a key's row are contiguous; tasks of one head
+// would each read a small piece of every 1 KB or more, out of order. Each row's arithmetic is
+// the same either way. A
+// thread's scratch is works + thread * stride, its task's results `offset` floats into it (one
+// States of OwnRows rows per head of the part). Own key j of sequence b is at position
+// own_start(b) + j before the shared keys and own_start(b) + shared_len + j after them, so row
+// r0 + i's query, at position p, sees the own keys from max(0, p - W + 1 - own_start(b)) with a
+// window W (else from 0) up to before p + 1 - own_start(b) - shared_len; tile(task, t0, nk)
+// attends the task's rows of one head to keys [t0, t0 + nk), for the tiles of Tile keys from the
+// one holding its first row's first key to the one holding its last row's last. Then each row is
+// merged with the shared part's result (shared_out [H][Rp][D] and shared_lse [H][Rp], where there
+// are shared blocks) and written to a.out.
 template <class Unit, int64_t Tile, int64_t OwnRows, int64_t D, int64_t Lanes, typename T,
           class TileFn, class Sum>
 void own_part(const Args<T>& a, float* works, int64_t stride, int64_t offset,
               const float* shared_out, const float* shared_lse, int64_t Rp, TileFn tile, Sum sum) {
     const int64_t Rb = a.Rb(), shared_len = a.shared_len();
     const int64_t row_blocks = (Rb + OwnRows - 1) / OwnRows;
+    const int64_t parts = own_head_parts(a.H, a.n * row_blocks, a.threads);
     #pragma omp parallel num_threads(a.threads)
     {
         Unit::begin();
         float* scratch = works + omp_get_thread_num() * stride;
-        const States<D, Lanes> st{scratch + offset, OwnRows};
         int64_t firsts[OwnRows + 16], limits[OwnRows + 16];  // a 16-row tile may run past them
         #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < a.n * a.H * row_blocks; task++) {
-            const int64_t b = task / (a.H * row_blocks), h = task / row_blocks % a.H;
-            const int64_t r0 = task % row_blocks * OwnRows;
+        for (int64_t task = 0; task < a.n * row_blocks * parts; task++) {
+            const int64_t b = task / (row_blocks * parts), part = task % parts;
+            const int64_t r0 = task / parts % row_blocks * OwnRows;
+            const int64_t h0 = a.H * part / parts, h1 = a.H * (part + 1) / parts;
             const int64_t rows = Rb - r0 < OwnRows ? Rb - r0 : OwnRows;
             const Context<T> ctx{a.k_cache, a.v_cache, a.own_blocks + b * a.num_own, a.bs, a.H * D};
             const int64_t start = a.own_start(b);
@@ -250,28 +289,37 @@ void own_part(const Args<T>& a, float* works, int64_t stride, int64_t offset,
                 firsts[i] = i < rows && first > 0 ? first : 0;
                 limits[i] = i < rows ? p + 1 - start - shared_len : 0;
             }
-            st.reset(0, round16(rows));
-            const OwnTask<D, Lanes, T> t{b, h, r0, rows, ctx, firsts, limits, scratch, st};
+            const auto head = [&](int64_t h) {
+                const States<D, Lanes> st{scratch + offset + (h - h0) * States<D, Lanes>::numel(OwnRows), OwnRows};
+                return OwnTask<D, Lanes, T>{b, h, r0, rows, ctx, firsts, limits, scratch, st};
+            };
+            for (int64_t h = h0; h < h1; h++) head(h).st.reset(0, round16(rows));
             // Positions ascend: the first row's window starts first, the last row sees most.
             const int64_t end = limits[rows - 1];
-            for (int64_t t0 = firsts[0] / Tile * Tile; t0 < end; t0 += Tile)
-                tile(t, t0, end - t0 < Tile ? end - t0 : Tile);
+            for (int64_t t0 = firsts[0] / Tile * Tile; t0 < end; t0 += Tile) {
+                const int64_t nk = end - t0 < Tile ? end - t0 : Tile;
+                touch_rows(ctx, t0, nk, h0 * D, (h1 - h0) * D);
+                for (int64_t h = h0; h < h1; h++) tile(head(h), t0, nk);
+            }
             // Merge with the shared part through the log-sum-exps, into out's layout.
-            const float *o = st.o(0), *m = st.m(0), *l = st.l(0);
-            for (int64_t i = 0; i < rows; i++) {
-                const int64_t r = b * Rb + r0 + i;
-                T* dst = a.out + a.token_row(r, h) * D;
-                float own_w = 1.0f, shared_w = 0.0f;
-                const float* so = shared_out + (h * Rp + r) * D;
-                if (a.num_shared > 0) {
-                    const float s_lse = shared_lse[h * Rp + r];
-                    const float mx = m[i] > s_lse ? m[i] : s_lse;
-                    own_w = exp2f(m[i] - mx);
-                    shared_w = exp2f(s_lse - mx);
+            for (int64_t h = h0; h < h1; h++) {
+                const States<D, Lanes> st = head(h).st;
+                const float *o = st.o(0), *m = st.m(0), *l = st.l(0);
+                for (int64_t i = 0; i < rows; i++) {
+                    const int64_t r = b * Rb + r0 + i;
+                    T* dst = a.out + a.token_row(r, h) * D;
+                    float own_w = 1.0f, shared_w = 0.0f;
+                    const float* so = shared_out + (h * Rp + r) * D;
+                    if (a.num_shared > 0) {
+                        const float s_lse = shared_lse[h * Rp + r];
+                        const float mx = m[i] > s_lse ? m[i] : s_lse;
+                        own_w = exp2f(m[i] - mx);
+                        shared_w = exp2f(s_lse - mx);
+                    }
+                    const float inv = 1.0f / (sum(l + Lanes * i) * own_w + shared_w);
+                    for (int64_t d = 0; d < D; d++)
+                        store(dst + d, (o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
                 }
-                const float inv = 1.0f / (sum(l + Lanes * i) * own_w + shared_w);
-                for (int64_t d = 0; d < D; d++)
-                    store(dst + d, (o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
             }
         }
         Unit::end();

@@ -365,12 +365,16 @@ struct Layout {
     // Floats of scratch, each part 64-byte aligned, in order: qs [H][Rq][D] bfloat16 (the rows
     // of each head, zero past R: a 16-row tile may start at any row); shared out [H][Rp][D] and
     // lse [H][Rp]; per (head, split) the shared part's results (States of Rp rows, each row's sum
-    // in 16 lanes); per thread a Work and an own task's results (States of kOwnRows rows).
+    // in 16 lanes); per thread a Work and an own task's results (States of kOwnRows rows for each
+    // of up to kOwnHeads heads).
     int64_t H, R, threads;
     int64_t Rp() const { return round16(R); }
     int64_t Rq() const { return round16(R) + kRows; }
     int64_t state() const { return States<D, 16>::numel(Rp()); }
-    static int64_t thread_work() { return round16(Work<D>::kFloats + States<D, 16>::numel(kOwnRows)); }
+    int64_t own_heads() const { return H < kOwnHeads ? H : kOwnHeads; }
+    int64_t thread_work() const {
+        return round16(Work<D>::kFloats + own_heads() * States<D, 16>::numel(kOwnRows));
+    }
     int64_t qs() const { return round16(H * Rq() * D / 2); }
     int64_t numel() const {
         return qs() + H * Rp() * D + H * Rp() + H * threads * state() + threads * thread_work();
