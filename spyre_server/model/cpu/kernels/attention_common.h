@@ -238,13 +238,37 @@ struct OwnTask {
 constexpr int64_t kOwnHeads = 8;
 
 // How many parts own_part cuts the H KV heads into, for `tasks` (sequences x row blocks) on
-// `threads` threads: at most kOwnHeads heads a part, and at least two tasks a thread where there
-// are heads enough (dynamic scheduling evens out contexts of different lengths).
+// `threads` threads: at most kOwnHeads heads a part, and at least four tasks a thread where
+// there are heads enough (dynamic scheduling evens out contexts of different lengths).
 inline int64_t own_head_parts(int64_t H, int64_t tasks, int64_t threads) {
     int64_t parts = (H + kOwnHeads - 1) / kOwnHeads;
     const int64_t busy = (4 * threads + tasks - 1) / tasks;
     if (parts < busy) parts = busy < H ? busy : H;
     return parts;
+}
+
+// The rows of own task t (head t.h), their results in t.st slot 0, merged with the shared part's
+// result through the log-sum-exps (shared_out [H][Rp][D] and shared_lse [H][Rp], where there are
+// shared blocks), into a.out's layout.
+template <int64_t D, int64_t Lanes, typename T, class Sum>
+void write_rows(const Args<T>& a, const OwnTask<D, Lanes, T>& t, const float* shared_out,
+                const float* shared_lse, int64_t Rp, Sum sum) {
+    const float *o = t.st.o(0), *m = t.st.m(0), *l = t.st.l(0);
+    for (int64_t i = 0; i < t.rows; i++) {
+        const int64_t r = t.b * a.Rb() + t.r0 + i;
+        T* dst = a.out + a.token_row(r, t.h) * D;
+        float own_w = 1.0f, shared_w = 0.0f;
+        const float* so = shared_out + (t.h * Rp + r) * D;
+        if (a.num_shared > 0) {
+            const float s_lse = shared_lse[t.h * Rp + r];
+            const float mx = m[i] > s_lse ? m[i] : s_lse;
+            own_w = exp2f(m[i] - mx);
+            shared_w = exp2f(s_lse - mx);
+        }
+        const float inv = 1.0f / (sum(l + Lanes * i) * own_w + shared_w);
+        for (int64_t d = 0; d < D; d++)
+            store(dst + d, (o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
+    }
 }
 
 // The own blocks: one task per (sequence, block of OwnRows rows, part of the KV heads), causal,
@@ -253,16 +277,14 @@ inline int64_t own_head_parts(int64_t H, int64_t tasks, int64_t threads) {
 // (touch_rows), then attends every head of the part to the tile before the next. The cache
 // interleaves the heads, so the part's slices of a key's row are contiguous; tasks of one head
 // would each read a small piece of every 1 KB or more, out of order. Each row's arithmetic is
-// the same either way. A
-// thread's scratch is works + thread * stride, its task's results `offset` floats into it (one
-// States of OwnRows rows per head of the part). Own key j of sequence b is at position
-// own_start(b) + j before the shared keys and own_start(b) + shared_len + j after them, so row
-// r0 + i's query, at position p, sees the own keys from max(0, p - W + 1 - own_start(b)) with a
-// window W (else from 0) up to before p + 1 - own_start(b) - shared_len; tile(task, t0, nk)
-// attends the task's rows of one head to keys [t0, t0 + nk), for the tiles of Tile keys from the
-// one holding its first row's first key to the one holding its last row's last. Then each row is
-// merged with the shared part's result (shared_out [H][Rp][D] and shared_lse [H][Rp], where there
-// are shared blocks) and written to a.out.
+// the same either way. A thread's scratch is works + thread * stride, its task's results
+// `offset` floats into it (one States of OwnRows rows per head of the part). Own key j of
+// sequence b is at position own_start(b) + j before the shared keys and
+// own_start(b) + shared_len + j after them, so row r0 + i's query, at position p, sees the own
+// keys from max(0, p - W + 1 - own_start(b)) with a window W (else from 0) up to before
+// p + 1 - own_start(b) - shared_len; tile(task, t0, nk) attends the task's rows of one head to
+// keys [t0, t0 + nk), for the tiles of Tile keys from the one holding its first row's first key
+// to the one holding its last row's last. Then write_rows merges and writes each head's rows.
 template <class Unit, int64_t Tile, int64_t OwnRows, int64_t D, int64_t Lanes, typename T,
           class TileFn, class Sum>
 void own_part(const Args<T>& a, float* works, int64_t stride, int64_t offset,
@@ -290,7 +312,8 @@ void own_part(const Args<T>& a, float* works, int64_t stride, int64_t offset,
                 limits[i] = i < rows ? p + 1 - start - shared_len : 0;
             }
             const auto head = [&](int64_t h) {
-                const States<D, Lanes> st{scratch + offset + (h - h0) * States<D, Lanes>::numel(OwnRows), OwnRows};
+                float* results = scratch + offset + (h - h0) * States<D, Lanes>::numel(OwnRows);
+                const States<D, Lanes> st{results, OwnRows};
                 return OwnTask<D, Lanes, T>{b, h, r0, rows, ctx, firsts, limits, scratch, st};
             };
             for (int64_t h = h0; h < h1; h++) head(h).st.reset(0, round16(rows));
@@ -301,26 +324,7 @@ void own_part(const Args<T>& a, float* works, int64_t stride, int64_t offset,
                 touch_rows(ctx, t0, nk, h0 * D, (h1 - h0) * D);
                 for (int64_t h = h0; h < h1; h++) tile(head(h), t0, nk);
             }
-            // Merge with the shared part through the log-sum-exps, into out's layout.
-            for (int64_t h = h0; h < h1; h++) {
-                const States<D, Lanes> st = head(h).st;
-                const float *o = st.o(0), *m = st.m(0), *l = st.l(0);
-                for (int64_t i = 0; i < rows; i++) {
-                    const int64_t r = b * Rb + r0 + i;
-                    T* dst = a.out + a.token_row(r, h) * D;
-                    float own_w = 1.0f, shared_w = 0.0f;
-                    const float* so = shared_out + (h * Rp + r) * D;
-                    if (a.num_shared > 0) {
-                        const float s_lse = shared_lse[h * Rp + r];
-                        const float mx = m[i] > s_lse ? m[i] : s_lse;
-                        own_w = exp2f(m[i] - mx);
-                        shared_w = exp2f(s_lse - mx);
-                    }
-                    const float inv = 1.0f / (sum(l + Lanes * i) * own_w + shared_w);
-                    for (int64_t d = 0; d < D; d++)
-                        store(dst + d, (o[i * D + d] * own_w + (shared_w != 0.0f ? so[d] * shared_w : 0.0f)) * inv);
-                }
-            }
+            for (int64_t h = h0; h < h1; h++) write_rows(a, head(h), shared_out, shared_lse, Rp, sum);
         }
         Unit::end();
     }
