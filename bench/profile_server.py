@@ -1,6 +1,7 @@
 """Where a loaded server's decode step goes: model forward vs everything else.
 
-Starts the real server (``build_app`` + uvicorn on loopback) on SmolLM2-135M-Instruct, sends
+Starts the real server (``build_app`` + uvicorn on loopback, the step thread on ``--threads``
+torch threads as ``serve`` sets them) on SmolLM2-135M-Instruct or the HF folder ``--model``, sends
 ``--batch`` concurrent streaming completions over HTTP (``ignore_eos``, so every request decodes
 ``--max-tokens`` tokens), and for every step of the engine loop records the wall time from its
 start to the next step's start (so the loop's own work, command handling and GIL contention with
@@ -12,6 +13,7 @@ Run greedy and with top-p sampling (temperature 0.8, top-p 0.9, seeded), then a 
 profile of the engine thread during the greedy decode steps:
 
     .venv/bin/python bench/profile_server.py [--threads 2] [--batch 8] [--max-tokens 48]
+        [--prompt-len 256] [--model PATH]
 """
 
 from __future__ import annotations

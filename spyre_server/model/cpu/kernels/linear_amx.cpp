@@ -135,8 +135,8 @@ struct Call {
 
 // FP8: the 16-pair steps [s0, s1) of block b (tile order kept) as bfloat16 times kFp8ScaledBy
 // into dst (step s0 at dst), exact; the short conversion for steps without exponent-0 values.
-inline void convert_steps(const Call& c, const Fp8PairedRowsToScaledBf16& convert, int64_t b, int64_t s0,
-                          int64_t s1, uint16_t* dst) {
+inline void convert_steps(const Call& c, const Fp8PairedRowsToScaledBf16& convert, int64_t b,
+                          int64_t s0, int64_t s1, uint16_t* dst) {
     const int64_t P = c.K / 2;
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t* src = c.fp8 + (b * P + s * kTilePairs) * kPairValues;
@@ -204,8 +204,8 @@ inline void stream_ahead(const char* wp) {
 // A call of up to kDecodeRows rows, block b: its four groups' sums in one pass over its pairs,
 // streamed ahead, into `partial`. FP8: each 16 pairs converted into the `ring` (kRingSteps steps
 // of 4 KB, in L1) kConvertAhead steps before the tiles load them from there.
-inline void decode_block(const Call& c, int64_t b, float* partial, const Fp8PairedRowsToScaledBf16& convert,
-                         uint16_t* ring) {
+inline void decode_block(const Call& c, int64_t b, float* partial,
+                         const Fp8PairedRowsToScaledBf16& convert, uint16_t* ring) {
     const int64_t P = c.K / 2;
     const bool fp8 = c.fp8 != nullptr;
     const char* w = fp8 ? reinterpret_cast<const char*>(c.fp8 + b * P * kPairValues)
