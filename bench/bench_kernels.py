@@ -76,13 +76,16 @@ def limits() -> tuple[float, float]:
     return read, gemm
 
 
-def fma_peak(threads: int, width512: bool) -> float | None:
-    """GFLOP/s of ``fma_peak.cpp`` on ``threads`` threads, 512 or 256 bits wide; None without a
-    C++ compiler."""
+def fma_peak(threads: int, width512: bool, dpbf16: bool = False) -> float | None:
+    """GFLOP/s of ``fma_peak.cpp`` on ``threads`` threads, 512 or 256 bits wide, float32 FMAs or
+    (``dpbf16``) AVX512-BF16's vdpbf16ps; None without a C++ compiler."""
     compiler = shutil.which(os.environ.get("CXX") or "g++")
     if compiler is None:
         return None
-    isa = ["-mavx512f", "-DWIDTH512"] if width512 else ["-mavx2", "-mfma"]
+    if dpbf16:
+        isa = ["-mavx512f", "-mavx512bf16", "-DDPBF16"]
+    else:
+        isa = ["-mavx512f", "-DWIDTH512"] if width512 else ["-mavx2", "-mfma"]
     with tempfile.TemporaryDirectory() as tmp:
         binary = Path(tmp) / "fma_peak"
         subprocess.run(
