@@ -37,7 +37,10 @@
 // A decode call reads its weights once, from memory: the first row block of each chunk asks for
 // the weights kStreamAheadBytes ahead of the pair it computes (software prefetch), which keeps
 // enough reads in flight for one thread's stream to run at the memory's speed where the
-// hardware prefetcher alone does not (bench/decode_bandwidth.py measures both).
+// hardware prefetcher alone does not (bench/decode_bandwidth.py measures both). A decode call of
+// more rows than one AVX512-BF16 row block (6) splits them into row blocks of even sizes, in
+// chunks of 16 KB, and each row block asks for its share of the next chunk (NextChunk), so the
+// memory stays busy while the later row blocks compute.
 //
 // FP8 weights (float8_e4m3fn with a float32 scale per output column, the compressed-tensors
 // checkpoints' form): packed in the same layout with one byte a value (128 bytes a pair of a
@@ -81,8 +84,10 @@ using spyre_linear::Fp8ToBf16;
 constexpr int64_t kDecodeRows = 16;   // up to this many rows: one row chunk (weights read once)
 constexpr int64_t kRowChunk = 48;     // rows per task above that (a multiple of both row blocks)
 constexpr int64_t kDecodePairs = 128;   // pairs per chunk of the sums, decode: 32 KB of weights
+constexpr int64_t kDecodeBlocksPairs = 64;  // ... a decode call of more than one row block: 16 KB
 constexpr int64_t kPrefillPairs = 1024;  // ... and above kDecodeRows rows: 256 KB
 constexpr int64_t kStreamAheadBytes = 2048;  // a decode call's prefetch distance in its stream
+constexpr int kRowsDot = 6;  // AVX512-BF16 row blocks: 6 rows x 4 groups of 16 columns, 24 registers
 
 // Asks for the 256 bytes `kStreamAheadBytes` after `wp` (a pair's start; an FP8 pair is 128
 // bytes, so each line is asked for twice, which ran faster than once: a prefetch the full fill
@@ -257,8 +262,6 @@ inline void task_avx2(const Task& t, const float* xf, int64_t ldxf, int64_t rows
 #define SPYRE_LINEAR_BF16_DOT 1
 #define DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 
-constexpr int kRowsDot = 6;  // 6 rows x 4 groups of 16 columns: 24 of the 32 registers
-
 // Groups [g0, g0 + G) of pair p of a block's FP8 weights as bfloat16: the fast conversion unless
 // a value of the pair has exponent 0 (rare in a trained model's weights; padding is zero).
 template <int G = 4>
@@ -301,13 +304,25 @@ DOT inline void pair_weights(const Task& t, int64_t p, int g0, bool stream,
     UNROLL for (int j = 0; j < G; j++) w[j] = (__m512bh)_mm512_load_si512(wp + j * 32);
 }
 
+// A decode call of more rows than one row block goes through each chunk of pairs once per row
+// block, and only the first pass would read from memory: the other passes compute from cache
+// while the memory idles. So every row block asks instead for its share of the next chunk's
+// pairs (those whose index in the chunk is `phase` modulo `period`, the number of row blocks):
+// each pair is asked for once, a chunk ahead, and reads stay in flight while any row block
+// computes.
+struct NextChunk {
+    const uint16_t* pairs;  // the next chunk's first pair (past a block's end: the next block's)
+    int64_t period, phase;
+};
+
 // MR rows from row r of the task x the block's column groups [g0, g0 + G) (16 columns each),
 // pairs [p0, p1): the x pair of row i broadcast to every lane, one vdpbf16ps per group. An odd
 // K's last pair takes x's last value alone (zero in the odd half), as the zero-padded weight
-// does. FP8: the weights converted from t.w8 as they are read.
+// does. FP8: the weights converted from t.w8 as they are read. `stream`: the row block streams
+// its own pairs ahead (a decode call's); `next`: it asks for its share of the next chunk's.
 template <int MR, int G = 4, bool FP8 = false>
 DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p1, bool resume,
-                         bool finish, bool stream, float* partial) {
+                         bool finish, bool stream, float* partial, const NextChunk* next = nullptr) {
     const int64_t full = t.K / 2;  // pairs with both values in x
     const uint16_t* x = t.x + r * t.K;
     const Fp8ToBf16 convert;
@@ -319,6 +334,10 @@ DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p
     for (int64_t p = p0; p < end; p++) {
         __m512bh w[G];
         pair_weights<FP8, G>(t, p, g0, stream, convert, w);
+        if (next != nullptr && (p - p0) % next->period == next->phase) {
+            const char* line = reinterpret_cast<const char*>(next->pairs + (p - p0) * kPairValues);
+            UNROLL for (int l = 0; l < 4; l++) _mm_prefetch(line + 64 * l, _MM_HINT_T0);
+        }
         UNROLL for (int i = 0; i < MR; i++) {
             int32_t pair;
             __builtin_memcpy(&pair, x + i * t.K + 2 * p, 4);
@@ -358,6 +377,21 @@ DOT inline void fp8_rows(const Task& t, int64_t rows, int64_t p0, int64_t p1, bo
         rows_dot<MR, G, true>(t, 0, g0, p0, p1, resume, finish, stream && g0 == 0, partial);
 }
 
+// rows_dot over all four groups for n rows (1 <= n <= kRowsDot) from row r.
+DOT void rows_dot_n(int64_t n, const Task& t, int64_t r, int64_t p0, int64_t p1, bool resume,
+                    bool finish, bool stream, float* partial, const NextChunk* next = nullptr) {
+    switch (n) {
+        case 6: return rows_dot<6>(t, r, 0, p0, p1, resume, finish, stream, partial, next);
+        case 5: return rows_dot<5>(t, r, 0, p0, p1, resume, finish, stream, partial, next);
+        case 4: return rows_dot<4>(t, r, 0, p0, p1, resume, finish, stream, partial, next);
+        case 3: return rows_dot<3>(t, r, 0, p0, p1, resume, finish, stream, partial, next);
+        case 2: return rows_dot<2>(t, r, 0, p0, p1, resume, finish, stream, partial, next);
+        case 1: return rows_dot<1>(t, r, 0, p0, p1, resume, finish, stream, partial, next);
+        default: return;
+    }
+}
+static_assert(kRowsDot == 6, "rows_dot_n dispatches up to kRowsDot rows");
+
 // A task's rows [0, rows) with vdpbf16ps. FP8 (`fp8`: the thread's scratch, t.w): up to
 // kDecodeRows rows convert from t.w8 as they read (fp8_rows) unless the scratch holds the block
 // already; more read the scratch, converted first a chunk of pairs at a time if it does not.
@@ -375,18 +409,19 @@ DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float
         }
         if (converts) convert_fp8_dot(t, fp8->pairs, p0, p1, stream);
         const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
+        if (streams && rows > kRowsDot) {  // row blocks of even sizes, each fetching ahead
+            const int64_t blocks = (rows + kRowsDot - 1) / kRowsDot;
+            for (int64_t j = 0; j < blocks; j++) {
+                const int64_t r = rows * j / blocks, n = rows * (j + 1) / blocks - r;
+                const NextChunk next{t.w + p1 * kPairValues, blocks, j};
+                rows_dot_n(n, t, r, p0, p1, resume, finish, j == 0 && p0 == 0, partial, &next);
+            }
+            continue;
+        }
         int64_t r = 0;
         for (; r + kRowsDot <= rows; r += kRowsDot)
             rows_dot<kRowsDot>(t, r, 0, p0, p1, resume, finish, streams && r == 0, partial);
-        const bool first = streams && r == 0;
-        switch (rows - r) {
-            case 5: rows_dot<5>(t, r, 0, p0, p1, resume, finish, first, partial); break;
-            case 4: rows_dot<4>(t, r, 0, p0, p1, resume, finish, first, partial); break;
-            case 3: rows_dot<3>(t, r, 0, p0, p1, resume, finish, first, partial); break;
-            case 2: rows_dot<2>(t, r, 0, p0, p1, resume, finish, first, partial); break;
-            case 1: rows_dot<1>(t, r, 0, p0, p1, resume, finish, first, partial); break;
-            default: break;
-        }
+        if (r < rows) rows_dot_n(rows - r, t, r, p0, p1, resume, finish, streams && r == 0, partial);
     }
     if (converts) fp8->ready = true;
 }
@@ -430,7 +465,8 @@ int linear(bool dot, const uint16_t* x, const Weights& weights, const uint16_t* 
     }
     const bool decode = M <= kDecodeRows;
     const int64_t row_chunk = decode ? M : kRowChunk;
-    const int64_t chunk = decode ? kDecodePairs : kPrefillPairs;
+    const bool row_blocks = dot && weights.fp8 == nullptr && M > kRowsDot;
+    const int64_t chunk = !decode ? kPrefillPairs : row_blocks ? kDecodeBlocksPairs : kDecodePairs;
     const int64_t num_chunks = (M + row_chunk - 1) / row_chunk, blocks = blocks_of(N);
     const int64_t tasks = blocks * num_chunks, P = pairs_of(K);
     bool no_memory = false;

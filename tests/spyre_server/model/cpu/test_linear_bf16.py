@@ -129,6 +129,7 @@ def run(lib: NativeKernels, linear: torch.nn.Linear, x: torch.Tensor) -> torch.T
         (3, 17, 7, True),  # an odd K: the last pair has one value
         (6, 64, 32, False),  # one full row block of the AVX512-BF16 path, one column block
         (7, 65, 33, True),  # a row left over; a second column block with one column
+        (8, 70, 259, True),  # two row blocks of 4 (a decode call's), three chunks, an odd K
         (13, 130, 64, False),
         (16, 100, 130, True),  # a decode step's largest row chunk, several chunks of pairs
         (17, 64, 96, False),  # the first prefill-sized call
@@ -179,7 +180,7 @@ def test_a_row_gets_the_same_bits_in_a_call_of_any_size(
     try:
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
-            for size in (1, 2, 5, 6, 7, 16, 17, 48, 49, 64, 256):
+            for size in (1, 2, 5, 6, 7, 8, 12, 16, 17, 48, 49, 64, 256):
                 for start in sorted({0, 1, 7, 300 - size}):
                     part = run(path, linear, x[start : start + size].contiguous())
                     assert torch.equal(part, full[start : start + size]), (num_threads, size)
