@@ -39,19 +39,20 @@
 // enough reads in flight for one thread's stream to run at the memory's speed where the
 // hardware prefetcher alone does not (bench/decode_bandwidth.py measures both). A decode call of
 // more rows than one AVX512-BF16 row block (6) splits them into row blocks of even sizes, in
-// chunks of 16 KB, and each row block asks for its share of the next chunk (NextChunk), so the
-// memory stays busy while the later row blocks compute.
+// chunks of 64 pairs (16 KB of bfloat16 weights), and each row block asks for its share of the
+// next chunk (NextChunk), so the memory stays busy while the later row blocks compute.
 //
 // FP8 weights (float8_e4m3fn with a float32 scale per output column, the compressed-tensors
 // checkpoints' form): packed in the same layout with one byte a value (128 bytes a pair of a
 // block), then a byte per pair saying whether one of its values has exponent 0 (a zero or a
 // subnormal). Every float8_e4m3fn value is exactly a bfloat16 value, so the kernel converts the
-// weights (no rounding) and runs the bfloat16 arithmetic on them: a task of up to kDecodeRows
+// weights (no rounding) and runs the bfloat16 arithmetic on them: a task of up to kFp8FusedRows
 // rows (a decode call) as it reads each pair, all rows in one row block and the block's column
-// groups in as few passes as the registers allow (every weight converted once); more rows a chunk
-// of pairs at a time into the thread's scratch, which every row block then reads (and the block's
-// further row chunks on the thread, without converting again: a prefill converts each block about
-// once). A pair without exponent-0 values takes a shorter conversion (sign-extend, shift, mask,
+// groups in one pass or two (every weight converted once); more rows a chunk of pairs at a time
+// into the thread's scratch, which every row block then reads (and the block's further row
+// chunks on the thread, without converting again: a prefill converts each block about once).
+// A decode call of more rows than one row block fetches the next chunk's FP8 pairs ahead in
+// every pass or row block, as the bfloat16 weights' (NextChunk). A pair without exponent-0 values takes a shorter conversion (sign-extend, shift, mask,
 // rebias). The AVX2 code converts through a table.
 // The column's scale multiplies the float32 sum at the end:
 //     y[m][n] = bf16(acc * scale[n] + bias[n])
@@ -88,6 +89,7 @@ constexpr int64_t kDecodeBlocksPairs = 64;  // ... a decode call of more than on
 constexpr int64_t kPrefillPairs = 1024;  // ... and above kDecodeRows rows: 256 KB
 constexpr int64_t kStreamAheadBytes = 2048;  // a decode call's prefetch distance in its stream
 constexpr int kRowsDot = 6;  // AVX512-BF16 row blocks: 6 rows x 4 groups of 16 columns, 24 registers
+constexpr int kFp8FusedRows = 12;  // FP8 decode calls converting as they read: 12 rows x 2 groups
 
 // Asks for the 256 bytes `kStreamAheadBytes` after `wp` (a pair's start; an FP8 pair is 128
 // bytes, so each line is asked for twice, which ran faster than once: a prefetch the full fill
@@ -311,7 +313,8 @@ DOT inline void pair_weights(const Task& t, int64_t p, int g0, bool stream,
 // each pair is asked for once, a chunk ahead, and reads stay in flight while any row block
 // computes.
 struct NextChunk {
-    const uint16_t* pairs;  // the next chunk's first pair (past a block's end: the next block's)
+    const char* pairs;   // the next chunk's first pair (past a block's end: the next block's)
+    int64_t pair_bytes;  // 256 (bfloat16 weights) or 128 (FP8: the source a conversion reads)
     int64_t period, phase;
 };
 
@@ -335,8 +338,9 @@ DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p
         __m512bh w[G];
         pair_weights<FP8, G>(t, p, g0, stream, convert, w);
         if (next != nullptr && (p - p0) % next->period == next->phase) {
-            const char* line = reinterpret_cast<const char*>(next->pairs + (p - p0) * kPairValues);
-            UNROLL for (int l = 0; l < 4; l++) _mm_prefetch(line + 64 * l, _MM_HINT_T0);
+            const char* pair = next->pairs + (p - p0) * next->pair_bytes;
+            for (int64_t line = 0; line < next->pair_bytes; line += 64)
+                _mm_prefetch(pair + line, _MM_HINT_T0);
         }
         UNROLL for (int i = 0; i < MR; i++) {
             int32_t pair;
@@ -364,17 +368,27 @@ DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p
 
 // FP8, the rows [0, rows) of a task of up to MR rows (a decode call's), in one row block:
 // the block's groups in passes of G, as many as 24 accumulators hold (4 groups up to 6 rows, 2 up
-// to 12, then 1), each pass converting its groups' weights from t.w8 as it reads them, so every
-// weight is converted once (a pass after the first reads the chunk's bytes from cache).
+// to 12), each pass converting its groups' weights from t.w8 as it reads them, so every weight
+// is converted once (the second pass reads the chunk's bytes from cache: both passes fetch
+// their share of the next chunk, as row blocks do).
 template <int MR>
 DOT inline void fp8_rows(const Task& t, int64_t rows, int64_t p0, int64_t p1, bool resume,
                          bool finish, bool stream, float* partial) {
     if constexpr (MR > 1) {
         if (rows < MR) return fp8_rows<MR - 1>(t, rows, p0, p1, resume, finish, stream, partial);
     }
-    constexpr int G = MR <= 6 ? 4 : MR <= 12 ? 2 : 1;
-    for (int g0 = 0; g0 < 4; g0 += G)
-        rows_dot<MR, G, true>(t, 0, g0, p0, p1, resume, finish, stream && g0 == 0, partial);
+    static_assert(MR <= 2 * kRowsDot, "24 accumulators: at most 12 rows in passes of 2 groups");
+    constexpr int G = MR <= kRowsDot ? 4 : 2;
+    if constexpr (G == 4) {
+        rows_dot<MR, G, true>(t, 0, 0, p0, p1, resume, finish, stream, partial);
+    } else {
+        for (int g0 = 0; g0 < 4; g0 += G) {
+            const NextChunk next{reinterpret_cast<const char*>(t.w8 + p1 * kFp8PairBytes),
+                                 kFp8PairBytes, 4 / G, g0 / G};
+            rows_dot<MR, G, true>(t, 0, g0, p0, p1, resume, finish, stream && g0 == 0 && p0 == 0,
+                                  partial, stream ? &next : nullptr);
+        }
+    }
 }
 
 // rows_dot over all four groups for n rows (1 <= n <= kRowsDot) from row r.
@@ -393,28 +407,34 @@ DOT void rows_dot_n(int64_t n, const Task& t, int64_t r, int64_t p0, int64_t p1,
 static_assert(kRowsDot == 6, "rows_dot_n dispatches up to kRowsDot rows");
 
 // A task's rows [0, rows) with vdpbf16ps. FP8 (`fp8`: the thread's scratch, t.w): up to
-// kDecodeRows rows convert from t.w8 as they read (fp8_rows) unless the scratch holds the block
-// already; more read the scratch, converted first a chunk of pairs at a time if it does not.
+// kFp8FusedRows rows convert from t.w8 as they read (fp8_rows) unless the scratch holds the
+// block already; more read the scratch, converted first a chunk of pairs at a time if it does
+// not.
 DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float* partial,
                   Fp8Scratch* fp8) {
     const int64_t P = pairs_of(t.K);
-    const bool fused = fp8 != nullptr && rows <= kDecodeRows && !fp8->ready;
+    const bool fused = fp8 != nullptr && rows <= kFp8FusedRows && !fp8->ready;
     const bool converts = fp8 != nullptr && !fused && !fp8->ready;
     for (int64_t p0 = 0; p0 < P; p0 += chunk) {
         const int64_t p1 = P - p0 < chunk ? P : p0 + chunk;
         const bool resume = p0 > 0, finish = p1 == P;
         if (fused) {
-            fp8_rows<kDecodeRows>(t, rows, p0, p1, resume, finish, stream, partial);
+            fp8_rows<kFp8FusedRows>(t, rows, p0, p1, resume, finish, stream, partial);
             continue;
         }
-        if (converts) convert_fp8_dot(t, fp8->pairs, p0, p1, stream);
+        if (converts) convert_fp8_dot(t, fp8->pairs, p0, p1, stream && p0 == 0);
         const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
-        if (streams && rows > kRowsDot) {  // row blocks of even sizes, each fetching ahead
+        if (stream && rows > kRowsDot) {  // row blocks of even sizes, each fetching ahead
             const int64_t blocks = (rows + kRowsDot - 1) / kRowsDot;
+            const char* ahead = fp8 == nullptr
+                ? reinterpret_cast<const char*>(t.w + p1 * kPairValues)
+                : reinterpret_cast<const char*>(t.w8 + p1 * kFp8PairBytes);
+            const int64_t pair_bytes = fp8 == nullptr ? 2 * kPairValues : kFp8PairBytes;
             for (int64_t j = 0; j < blocks; j++) {
                 const int64_t r = rows * j / blocks, n = rows * (j + 1) / blocks - r;
-                const NextChunk next{t.w + p1 * kPairValues, blocks, j};
-                rows_dot_n(n, t, r, p0, p1, resume, finish, j == 0 && p0 == 0, partial, &next);
+                const NextChunk next{ahead, pair_bytes, blocks, j};
+                rows_dot_n(n, t, r, p0, p1, resume, finish, streams && j == 0 && p0 == 0, partial,
+                           &next);
             }
             continue;
         }
@@ -465,7 +485,7 @@ int linear(bool dot, const uint16_t* x, const Weights& weights, const uint16_t* 
     }
     const bool decode = M <= kDecodeRows;
     const int64_t row_chunk = decode ? M : kRowChunk;
-    const bool row_blocks = dot && weights.fp8 == nullptr && M > kRowsDot;
+    const bool row_blocks = dot && M > kRowsDot;
     const int64_t chunk = !decode ? kPrefillPairs : row_blocks ? kDecodeBlocksPairs : kDecodePairs;
     const int64_t num_chunks = (M + row_chunk - 1) / row_chunk, blocks = blocks_of(N);
     const int64_t tasks = blocks * num_chunks, P = pairs_of(K);

@@ -71,7 +71,7 @@ def contract(
     ("out_features", "in_features", "per_channel", "with_bias"),
     [(192, 256, True, False), (130, 77, True, True), (64, 300, False, False), (7, 9, False, True)],
 )
-@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 17, 61, 100])
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 14, 16, 17, 61, 100])
 @pytest.mark.parametrize("zero_exponents", [True, False])
 def test_the_kernel_computes_exactly_its_contract(
     path: NativeKernels,  # noqa: F811
@@ -83,10 +83,11 @@ def test_the_kernel_computes_exactly_its_contract(
     zero_exponents: bool,
 ) -> None:
     """With and without zeros and subnormals among the weights (the kernel converts pairs that
-    have none another way; padding past an odd size is zero). Up to 16 rows convert as they
-    read, the column groups in passes of 4 (up to 6 rows), 2 (8, 12) or 1 (16); 61 and 100 rows
-    take several row chunks per column block, the later ones reading the thread's converted copy
-    of the block."""
+    have none another way; padding past an odd size is zero). Up to 12 rows convert as they
+    read, the column groups in passes of 4 (up to 6 rows) or 2 (8, 12); 14 and 16 rows (a decode
+    call's too) convert each chunk of pairs into the thread's copy first and compute it in row
+    blocks of 4-6; 61 and 100 rows take several row chunks per column block, the later ones
+    reading the thread's converted copy of the block."""
     weight, scale = fp8_weight(out_features, in_features, per_channel)
     if zero_exponents:  # +0, -0, 3 * 2^-9, -5 * 2^-9 in every 5th row, every 3rd column
         some = weight.view(torch.uint8)[::5, ::3]
