@@ -52,8 +52,9 @@
 // into the thread's scratch, which every row block then reads (and the block's further row
 // chunks on the thread, without converting again: a prefill converts each block about once).
 // A decode call of more rows than one row block fetches the next chunk's FP8 pairs ahead in
-// every pass or row block, as the bfloat16 weights' (NextChunk). A pair without exponent-0 values takes a shorter conversion (sign-extend, shift, mask,
-// rebias). The AVX2 code converts through a table.
+// every pass or row block, as the bfloat16 weights' (NextChunk). A pair without exponent-0
+// values takes a shorter conversion (sign-extend, shift, mask, rebias). The AVX2 code converts
+// through a table.
 // The column's scale multiplies the float32 sum at the end:
 //     y[m][n] = bf16(acc * scale[n] + bias[n])
 // with acc the sum above over the FP8 values, each operation rounded to nearest in float32 with
@@ -88,7 +89,7 @@ constexpr int64_t kDecodePairs = 128;   // pairs per chunk of the sums, decode: 
 constexpr int64_t kDecodeBlocksPairs = 64;  // ... a decode call of more than one row block: 16 KB
 constexpr int64_t kPrefillPairs = 1024;  // ... and above kDecodeRows rows: 256 KB
 constexpr int64_t kStreamAheadBytes = 2048;  // a decode call's prefetch distance in its stream
-constexpr int kRowsDot = 6;  // AVX512-BF16 row blocks: 6 rows x 4 groups of 16 columns, 24 registers
+constexpr int kRowsDot = 6;  // AVX512-BF16 row blocks: 6 rows x 4 groups of 16 columns
 constexpr int kFp8FusedRows = 12;  // FP8 decode calls converting as they read: 12 rows x 2 groups
 
 // Asks for the 256 bytes `kStreamAheadBytes` after `wp` (a pair's start; an FP8 pair is 128
@@ -325,7 +326,8 @@ struct NextChunk {
 // its own pairs ahead (a decode call's); `next`: it asks for its share of the next chunk's.
 template <int MR, int G = 4, bool FP8 = false>
 DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p1, bool resume,
-                         bool finish, bool stream, float* partial, const NextChunk* next = nullptr) {
+                         bool finish, bool stream, float* partial,
+                         const NextChunk* next = nullptr) {
     const int64_t full = t.K / 2;  // pairs with both values in x
     const uint16_t* x = t.x + r * t.K;
     const Fp8ToBf16 convert;
