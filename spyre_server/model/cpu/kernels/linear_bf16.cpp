@@ -40,7 +40,8 @@
 // hardware prefetcher alone does not (bench/decode_bandwidth.py measures both). A decode call of
 // more rows than one AVX512-BF16 row block (6) splits them into row blocks of even sizes, in
 // chunks of 64 pairs (16 KB of bfloat16 weights), and each row block asks for its share of the
-// next chunk (NextChunk), so the memory stays busy while the later row blocks compute.
+// next chunk (NextChunk: contiguous shares, so the asks go in address order), so the memory
+// stays busy while the later row blocks compute.
 //
 // FP8 weights (float8_e4m3fn with a float32 scale per output column, the compressed-tensors
 // checkpoints' form): packed in the same layout with one byte a value (128 bytes a pair of a
@@ -310,9 +311,11 @@ DOT inline void pair_weights(const Task& t, int64_t p, int g0, bool stream,
 // A decode call of more rows than one row block goes through each chunk of pairs once per row
 // block, and only the first pass would read from memory: the other passes compute from cache
 // while the memory idles. So every row block asks instead for its share of the next chunk's
-// pairs (those whose index in the chunk is `phase` modulo `period`, the number of row blocks):
-// each pair is asked for once, a chunk ahead, and reads stay in flight while any row block
-// computes.
+// pairs: the `phase`-th of `period` (the number of row blocks) contiguous parts, one pair every
+// `period` pairs it computes. Each pair is asked for once, a chunk ahead; reads stay in flight
+// while any row block computes, and the asks of the row blocks in turn go through the next
+// chunk in address order: a stream the hardware prefetcher follows, which asks for every
+// period-th pair are not (docs/notes/2026-12-04-granite-table-zen5.md).
 struct NextChunk {
     const char* pairs;   // the next chunk's first pair (past a block's end: the next block's)
     int64_t pair_bytes;  // 256 (bfloat16 weights) or 128 (FP8: the source a conversion reads)
@@ -336,13 +339,22 @@ DOT inline void rows_dot(const Task& t, int64_t r, int g0, int64_t p0, int64_t p
     UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < G; j++)
         acc[i][j] = resume ? _mm512_load_ps(sums + (r + i) * kBlockCols + j * 16) : _mm512_setzero_ps();
     const int64_t end = p1 < full ? p1 : full;
+    // `next`: the next pair of its share to ask for, in `ask_in` pairs (never without `next`)
+    const char* ask = nullptr;
+    int64_t ask_in = -1;
+    if (next != nullptr) {
+        const int64_t share = (p1 - p0 + next->period - 1) / next->period;
+        ask = next->pairs + next->phase * share * next->pair_bytes;
+        ask_in = 0;
+    }
     for (int64_t p = p0; p < end; p++) {
         __m512bh w[G];
         pair_weights<FP8, G>(t, p, g0, stream, convert, w);
-        if (next != nullptr && (p - p0) % next->period == next->phase) {
-            const char* pair = next->pairs + (p - p0) * next->pair_bytes;
+        if (ask_in-- == 0) {
+            ask_in = next->period - 1;
             for (int64_t line = 0; line < next->pair_bytes; line += 64)
-                _mm_prefetch(pair + line, _MM_HINT_T0);
+                _mm_prefetch(ask + line, _MM_HINT_T0);
+            ask += next->pair_bytes;
         }
         UNROLL for (int i = 0; i < MR; i++) {
             int32_t pair;
