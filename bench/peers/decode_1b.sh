@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Issue 33's realistic size: a Llama-3.2-1B-shaped checkpoint (random weights, the default
-# model's tokenizer; built once into $P/models/llama1b by bench/realistic_checkpoint.py) served
-# by each named server alone, then the table of ratios:
+# Issue 33's realistic sizes: a random-weight checkpoint of a real model's shapes (the default
+# model's tokenizer; built once into $P/models/$CHECKPOINT by bench/realistic_checkpoint.py)
+# served by each named server alone, then the table of ratios. CHECKPOINT (default llama1b):
+#   llama1b  Llama-3.2-1B's shapes, 16 layers: 2.15 GB in bfloat16
+#   granite  granite-3.x-2b's shapes and scalars, 40 layers: 5.1 GB in bfloat16
+# The servers:
 #   spyre      this repo's spyre-server on the HF folder (dtype auto: bfloat16 on AVX512-BF16/AMX)
-#   spyre-fp8  the same on its FP8 quantization ($P/models/llama1b-fp8, compressed-tensors' form)
+#   spyre-fp8  the same on its FP8 quantization ($P/models/$CHECKPOINT-fp8, compressed-tensors' form)
 #   llama-f16  llama-server on the GGUF that llama.cpp's own convert_hf_to_gguf.py makes (F16)
 #   llama-q8   the same quantized to Q8_0 by llama-quantize
 #   vllm-bf16  vLLM CPU in bfloat16 (needs install.sh's venv-cpu)
@@ -12,36 +15,43 @@
 # the single-request decode step) and 8 at a time (output tokens/s).
 #   PEERS=/path/filled/by/install.sh bench/peers/decode_1b.sh [spyre] [llama-f16] [llama-q8] [vllm-bf16]
 #   PEERS=... bench/peers/decode_1b.sh summary spyre llama-f16 ...   # the table of earlier runs
+#   CHECKPOINT=granite PEERS=... bench/peers/decode_1b.sh spyre ...  # results in $P/results-granite
 # LLAMA_ARGS go to both llama-servers (on the AMX Xeon, Q8_0's weight repacking crashed at load:
 # LLAMA_ARGS=--no-repack).
 # Run from the repo root with spyre-server installed in .venv; nothing else may run meanwhile.
 set -euo pipefail
 P=${PEERS:?set PEERS to the folder install.sh filled}
-OUT=${OUT:-$P/results-1b}
+CHECKPOINT=${CHECKPOINT:-llama1b}
+case $CHECKPOINT in
+  llama1b) OUT=${OUT:-$P/results-1b} ;;
+  granite) OUT=${OUT:-$P/results-granite} ;;
+  *) echo "CHECKPOINT is llama1b or granite, not $CHECKPOINT" >&2; exit 2 ;;
+esac
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=$REPO/.venv/bin/python
-MODEL_DIR=$P/models/llama1b
+MODEL_DIR=$P/models/$CHECKPOINT
+FP8_DIR=$P/models/$CHECKPOINT-fp8
 LLAMA_SRC=$P/src/llama_cpp_python-0.3.36/vendor/llama.cpp
-NAME=llama1b
+NAME=$CHECKPOINT
 mkdir -p "$OUT"
 [ $# -gt 0 ] || set -- spyre llama-f16 llama-q8
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
-  (cd "$REPO" && "$PY" -m bench.realistic_checkpoint llama1b "$MODEL_DIR")
+  (cd "$REPO" && "$PY" -m bench.realistic_checkpoint "$CHECKPOINT" "$MODEL_DIR")
 fi
-if [ ! -f "$P/models/llama1b-fp8/config.json" ]; then
-  (cd "$REPO" && "$PY" -m bench.realistic_checkpoint llama1b "$P/models/llama1b-fp8" --fp8)
+if [ ! -f "$FP8_DIR/config.json" ]; then
+  (cd "$REPO" && "$PY" -m bench.realistic_checkpoint "$CHECKPOINT" "$FP8_DIR" --fp8)
 fi
-if [ ! -f "$P/models/llama1b-F16.gguf" ]; then
+if [ ! -f "$P/models/$CHECKPOINT-F16.gguf" ]; then
   # The converter imports sentencepiece before it falls back to tokenizer.json's BPE: it goes
   # into a folder of its own, not into the venv.
   [ -d "$P/convert-extra/sentencepiece" ] || "$PY" -m pip install --quiet --target "$P/convert-extra" sentencepiece
   PYTHONPATH=$LLAMA_SRC/gguf-py:$P/convert-extra "$PY" "$LLAMA_SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
-    --outtype f16 --outfile "$P/models/llama1b-F16.gguf"
+    --outtype f16 --outfile "$P/models/$CHECKPOINT-F16.gguf"
 fi
-if [ ! -f "$P/models/llama1b-Q8_0.gguf" ]; then
-  "$P/build/llama.cpp/bin/llama-quantize" "$P/models/llama1b-F16.gguf" "$P/models/llama1b-Q8_0.gguf" Q8_0
+if [ ! -f "$P/models/$CHECKPOINT-Q8_0.gguf" ]; then
+  "$P/build/llama.cpp/bin/llama-quantize" "$P/models/$CHECKPOINT-F16.gguf" "$P/models/$CHECKPOINT-Q8_0.gguf" Q8_0
 fi
 
 summarize() {  # names -> the table of their results in $OUT
@@ -71,12 +81,12 @@ start() {  # name -> starts the server in the background, sets PID and URL
       "$REPO/.venv/bin/spyre-server" serve --model "$MODEL_DIR" --served-model-name $NAME \
         --port 8031 >"$OUT/spyre.log" 2>&1 & ;;
     spyre-fp8) URL=http://127.0.0.1:8032
-      "$REPO/.venv/bin/spyre-server" serve --model "$P/models/llama1b-fp8" --served-model-name $NAME \
+      "$REPO/.venv/bin/spyre-server" serve --model "$FP8_DIR" --served-model-name $NAME \
         --dtype bfloat16 --port 8032 >"$OUT/spyre-fp8.log" 2>&1 & ;;
     llama-f16) URL=http://127.0.0.1:8131
-      PORT=8131 NAME=$NAME GGUF=$P/models/llama1b-F16.gguf "$HERE/start_llama_server.sh" ${LLAMA_ARGS:-} >"$OUT/$1.log" 2>&1 & ;;
+      PORT=8131 NAME=$NAME GGUF=$P/models/$CHECKPOINT-F16.gguf "$HERE/start_llama_server.sh" ${LLAMA_ARGS:-} >"$OUT/$1.log" 2>&1 & ;;
     llama-q8) URL=http://127.0.0.1:8132
-      PORT=8132 NAME=$NAME GGUF=$P/models/llama1b-Q8_0.gguf "$HERE/start_llama_server.sh" ${LLAMA_ARGS:-} >"$OUT/$1.log" 2>&1 & ;;
+      PORT=8132 NAME=$NAME GGUF=$P/models/$CHECKPOINT-Q8_0.gguf "$HERE/start_llama_server.sh" ${LLAMA_ARGS:-} >"$OUT/$1.log" 2>&1 & ;;
     vllm-bf16) URL=http://127.0.0.1:8133
       PORT=8133 NAME=$NAME MODEL=$MODEL_DIR DTYPE=bfloat16 KV_GIB=4 "$HERE/start_vllm_cpu.sh" >"$OUT/$1.log" 2>&1 & ;;
     *) echo "unknown server $1" >&2; exit 2 ;;
