@@ -322,6 +322,14 @@ struct NextChunk {
     int64_t period, phase;
 };
 
+// The chunk from pair p1 of the task's weights as memory holds them (`fp8`: its FP8 source,
+// t.w8; else its bfloat16 pairs, t.w), the `phase`-th of `period` row blocks' share to ask for.
+inline NextChunk next_chunk(const Task& t, bool fp8, int64_t p1, int64_t period, int64_t phase) {
+    if (fp8)
+        return {reinterpret_cast<const char*>(t.w8 + p1 * kFp8PairBytes), kFp8PairBytes, period, phase};
+    return {reinterpret_cast<const char*>(t.w + p1 * kPairValues), 2 * kPairValues, period, phase};
+}
+
 // MR rows from row r of the task x the block's column groups [g0, g0 + G) (16 columns each),
 // pairs [p0, p1): the x pair of row i broadcast to every lane, one vdpbf16ps per group. An odd
 // K's last pair takes x's last value alone (zero in the odd half), as the zero-padded weight
@@ -397,8 +405,7 @@ DOT inline void fp8_rows(const Task& t, int64_t rows, int64_t p0, int64_t p1, bo
         rows_dot<MR, G, true>(t, 0, 0, p0, p1, resume, finish, stream, partial);
     } else {
         for (int g0 = 0; g0 < 4; g0 += G) {
-            const NextChunk next{reinterpret_cast<const char*>(t.w8 + p1 * kFp8PairBytes),
-                                 kFp8PairBytes, 4 / G, g0 / G};
+            const NextChunk next = next_chunk(t, true, p1, 4 / G, g0 / G);
             rows_dot<MR, G, true>(t, 0, g0, p0, p1, resume, finish, stream && g0 == 0 && p0 == 0,
                                   partial, stream ? &next : nullptr);
         }
@@ -440,13 +447,9 @@ DOT void task_dot(const Task& t, int64_t rows, int64_t chunk, bool stream, float
         const bool streams = stream && fp8 == nullptr;  // (a conversion streams its source)
         if (stream && rows > kRowsDot) {  // row blocks of even sizes, each fetching ahead
             const int64_t blocks = (rows + kRowsDot - 1) / kRowsDot;
-            const char* ahead = fp8 == nullptr
-                ? reinterpret_cast<const char*>(t.w + p1 * kPairValues)
-                : reinterpret_cast<const char*>(t.w8 + p1 * kFp8PairBytes);
-            const int64_t pair_bytes = fp8 == nullptr ? 2 * kPairValues : kFp8PairBytes;
             for (int64_t j = 0; j < blocks; j++) {
                 const int64_t r = rows * j / blocks, n = rows * (j + 1) / blocks - r;
-                const NextChunk next{ahead, pair_bytes, blocks, j};
+                const NextChunk next = next_chunk(t, fp8 != nullptr, p1, blocks, j);
                 rows_dot_n(n, t, r, p0, p1, resume, finish, streams && j == 0 && p0 == 0, partial,
                            &next);
             }
