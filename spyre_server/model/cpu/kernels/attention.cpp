@@ -382,10 +382,10 @@ void attend_tile(bool wide, const float* q, int64_t R, int64_t h, int64_t t0, in
 
 template <int64_t D>
 struct Layout {
-    // Floats of scratch, in order: qs [H][R][D]; shared out [H][Rp][D] and lse [H][Rp]; per
-    // (head, split) the shared part's results (States of Rp rows); per thread: a shared Work of
-    // R rows, or an own task's Work and results of kOwnRows rows for each of up to kOwnHeads
-    // heads.
+    // Floats of scratch, in order: own_part's task plan (OwnTasks); qs [H][R][D]; shared out
+    // [H][Rp][D] and lse [H][Rp]; per (head, split) the shared part's results (States of Rp
+    // rows); per thread: a shared Work of R rows, or an own task's Work and results of kOwnRows
+    // rows for each of up to kOwnHeads heads.
     int64_t H, R, threads;
     int64_t Rp() const { return round16(R); }
     static int64_t own_offset() { return Work<D, float>::numel(kOwnRows); }
@@ -396,8 +396,8 @@ struct Layout {
         return own > shared ? own : shared;
     }
     int64_t numel() const {
-        return H * R * D + H * Rp() * D + H * Rp() + H * threads * States<D, 1>::numel(Rp()) +
-               threads * thread_work();
+        return OwnTasks::numel(R) + H * R * D + H * Rp() * D + H * Rp() +
+               H * threads * States<D, 1>::numel(Rp()) + threads * thread_work();
     }
 };
 
@@ -406,7 +406,7 @@ void paged_attention(bool wide, const Args<T>& a) {
     const Layout<D> lay{a.H, a.R(), a.threads};
     const int64_t R = lay.R, Rp = lay.Rp(), H = a.H, splits = a.threads;
     const float scale2 = a.scale2();
-    float* qs = a.scratch;
+    float* qs = a.scratch + OwnTasks::numel(R);
     float* shared_out = qs + H * R * D;
     float* shared_lse = shared_out + H * Rp * D;
     float* states = shared_lse + H * Rp;

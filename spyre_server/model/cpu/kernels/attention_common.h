@@ -237,15 +237,48 @@ struct OwnTask {
 // task's rows.
 constexpr int64_t kOwnHeads = 8;
 
-// How many parts own_part cuts the H KV heads into, for `tasks` (sequences x row blocks) on
-// `threads` threads: at most kOwnHeads heads a part, and at least four tasks a thread where
-// there are heads enough (dynamic scheduling evens out contexts of different lengths).
-inline int64_t own_head_parts(int64_t H, int64_t tasks, int64_t threads) {
-    int64_t parts = (H + kOwnHeads - 1) / kOwnHeads;
-    const int64_t busy = (4 * threads + tasks - 1) / tasks;
-    if (parts < busy) parts = busy < H ? busy : H;
-    return parts;
-}
+// Parts of the H KV heads for own_part's tasks: a task reads its part's slices of every key row
+// (the cache interleaves the heads), and narrow slices read memory poorly (a strided pass of a
+// few lines of each row), so a sequence's heads are cut only as far as the threads need: into
+// ceil(threads * its keys / (all sequences' keys * row blocks)) parts, at least enough that a
+// part has at most kOwnHeads heads, at most H. The parts change which thread computes a head,
+// never a row's arithmetic. first[b]: sequence b's first task (tasks of one sequence are
+// consecutive, row block by row block); first[n] the number of tasks. Both live in the call's
+// scratch: numel(R) floats of it (n <= R), a multiple of 16 so what follows stays aligned.
+struct OwnTasks {
+    int64_t* first;  // [n + 1]
+    int64_t* parts;  // [n]
+
+    static int64_t numel(int64_t R) { return round16(2 * (2 * R + 1)); }
+    template <typename T>
+    static OwnTasks in(const Args<T>& a) {
+        int64_t* plan = reinterpret_cast<int64_t*>(a.scratch);
+        return OwnTasks{plan, plan + a.n + 1};
+    }
+
+    template <typename T>
+    void plan(const Args<T>& a, int64_t row_blocks) const {
+        const int64_t least = (a.H + kOwnHeads - 1) / kOwnHeads;
+        int64_t total = 0;
+        for (int64_t b = 0; b < a.n; b++) total += parts[b] = seen_keys(a, b);
+        first[0] = 0;
+        for (int64_t b = 0; b < a.n; b++) {
+            const int64_t want = (a.threads * parts[b] + total * row_blocks - 1) / (total * row_blocks);
+            parts[b] = want < least ? least : want > a.H ? a.H : want;
+            first[b + 1] = first[b] + row_blocks * parts[b];
+        }
+    }
+
+    // The own keys sequence b's last row sees (at least 1).
+    template <typename T>
+    static int64_t seen_keys(const Args<T>& a, int64_t b) {
+        const int64_t start = a.own_start(b);
+        const int64_t last = a.positions[b * a.nq + a.nq - 1] + 1 - start - a.shared_len();
+        const int64_t from = a.window > 0 ? a.positions[b * a.nq + a.nq - 1] - a.window + 1 - start : 0;
+        const int64_t keys = last - (from > 0 ? from : 0);
+        return keys > 1 ? keys : 1;
+    }
+};
 
 // The rows of own task t (head t.h), their results in t.st slot 0, merged with the shared part's
 // result through the log-sum-exps (shared_out [H][Rp][D] and shared_lse [H][Rp], where there are
@@ -291,16 +324,19 @@ void own_part(const Args<T>& a, float* works, int64_t stride, int64_t offset,
               const float* shared_out, const float* shared_lse, int64_t Rp, TileFn tile, Sum sum) {
     const int64_t Rb = a.Rb(), shared_len = a.shared_len();
     const int64_t row_blocks = (Rb + OwnRows - 1) / OwnRows;
-    const int64_t parts = own_head_parts(a.H, a.n * row_blocks, a.threads);
+    const OwnTasks tasks = OwnTasks::in(a);
+    tasks.plan(a, row_blocks);
     #pragma omp parallel num_threads(a.threads)
     {
         Unit::begin();
         float* scratch = works + omp_get_thread_num() * stride;
         int64_t firsts[OwnRows + 16], limits[OwnRows + 16];  // a 16-row tile may run past them
         #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < a.n * row_blocks * parts; task++) {
-            const int64_t b = task / (row_blocks * parts), part = task % parts;
-            const int64_t r0 = task / parts % row_blocks * OwnRows;
+        for (int64_t task = 0; task < tasks.first[a.n]; task++) {
+            int64_t b = 0;
+            while (task >= tasks.first[b + 1]) b++;
+            const int64_t parts = tasks.parts[b], in_sequence = task - tasks.first[b];
+            const int64_t part = in_sequence % parts, r0 = in_sequence / parts * OwnRows;
             const int64_t h0 = a.H * part / parts, h1 = a.H * (part + 1) / parts;
             const int64_t rows = Rb - r0 < OwnRows ? Rb - r0 : OwnRows;
             const Context<T> ctx{a.k_cache, a.v_cache, a.own_blocks + b * a.num_own, a.bs, a.H * D};

@@ -362,7 +362,8 @@ inline float row_sum(const float* l) { return _mm512_reduce_add_ps(_mm512_load_p
 
 template <int64_t D>
 struct Layout {
-    // Floats of scratch, each part 64-byte aligned, in order: qs [H][Rq][D] bfloat16 (the rows
+    // Floats of scratch, each part 64-byte aligned, in order: own_part's task plan (OwnTasks);
+    // qs [H][Rq][D] bfloat16 (the rows
     // of each head, zero past R: a 16-row tile may start at any row); shared out [H][Rp][D] and
     // lse [H][Rp]; per (head, split) the shared part's results (States of Rp rows, each row's sum
     // in 16 lanes); per thread a Work and an own task's results (States of kOwnRows rows for each
@@ -377,7 +378,8 @@ struct Layout {
     }
     int64_t qs() const { return round16(H * Rq() * D / 2); }
     int64_t numel() const {
-        return qs() + H * Rp() * D + H * Rp() + H * threads * state() + threads * thread_work();
+        return OwnTasks::numel(R) + qs() + H * Rp() * D + H * Rp() + H * threads * state() +
+               threads * thread_work();
     }
 };
 
@@ -386,8 +388,8 @@ void paged_attention(const Args<uint16_t>& a) {
     const Layout<D> lay{a.H, a.R(), a.threads};
     const int64_t R = lay.R, Rp = lay.Rp(), Rq = lay.Rq(), H = a.H, splits = a.threads;
     const float scale2 = a.scale2();
-    uint16_t* qs = reinterpret_cast<uint16_t*>(a.scratch);
-    float* shared_out = a.scratch + lay.qs();
+    uint16_t* qs = reinterpret_cast<uint16_t*>(a.scratch + OwnTasks::numel(R));
+    float* shared_out = a.scratch + OwnTasks::numel(R) + lay.qs();
     float* shared_lse = shared_out + H * Rp * D;
     float* states = shared_lse + H * Rp;
     float* works = states + H * splits * lay.state();
