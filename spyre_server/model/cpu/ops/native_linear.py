@@ -52,6 +52,38 @@ def _check_status(status: int, on_amx: bool, kernel: str) -> None:
         raise RuntimeError("the AMX linear kernel refused a call it was checked for")
 
 
+class _Held:
+    """A tensor a kernel reads through its address, and that address, taken once. The module
+    holds the tensor here as well as in its buffer, so the address stays valid whatever happens
+    to its buffers (a conversion that replaces them leaves the kernel reading what it packed)."""
+
+    __slots__ = ("address", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.address: int | None = tensor.data_ptr()
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor | None) -> _Held:
+        """``tensor`` held, or None's: address None (the kernels' null pointer)."""
+        if tensor is not None:
+            return cls(tensor)
+        held = cls.__new__(cls)
+        held.tensor, held.address = None, None
+        return held
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``x`` as contiguous rows of ``in_features`` (a view where it already is)."""
+    rows = x.reshape(-1, in_features)
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out``'s rows in ``x``'s leading shape."""
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
+
+
 class NativeLinear(torch.nn.Module):
     panels: torch.Tensor
     kernels: NativeKernels
@@ -74,6 +106,7 @@ class NativeLinear(torch.nn.Module):
         assert panels.data_ptr() % _PANEL_ALIGNMENT == 0, "huge_page_empty aligns to 64 or more"
         kernels.pack(weight.data_ptr(), panels.data_ptr(), self.out_features, self.in_features)
         self.register_buffer("panels", panels, persistent=False)
+        self._panels = _Held(panels)
         self.bias = linear.bias
         self.kernels = kernels
         self._linear = kernels.linear
@@ -81,20 +114,21 @@ class NativeLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"NativeLinear computes in float32; got {x.dtype} input")
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features)
-        if rows.shape[0]:
+        rows = _rows(x, self.in_features)
+        num_rows = rows.shape[0]
+        out = torch.empty(num_rows, self.out_features)
+        if num_rows:
             self._linear(
                 rows.data_ptr(),
-                self.panels.data_ptr(),
+                self._panels.address,
                 out.data_ptr(),
-                rows.shape[0],
+                num_rows,
                 self.in_features,
                 self.out_features,
             )
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return _shaped(out, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, native"
@@ -133,29 +167,34 @@ class NativeBf16Linear(torch.nn.Module):
         elif kernels.linear_bf16_amx_pack(*sizes) == 0:
             raise RuntimeError("the AMX linear kernel refused to pack a weight it was checked for")
         self.register_buffer("packed", packed, persistent=False)
+        self._packed = _Held(packed)
         self.bias = linear.bias
         # What the kernel reads: the bias as contiguous bfloat16 (the parameter itself, mostly).
-        self._bias = None if linear.bias is None else linear.bias.detach().bfloat16().contiguous()
+        self._bias = _Held.of(
+            None if linear.bias is None else linear.bias.detach().bfloat16().contiguous()
+        )
         self.kernels = kernels
         self._linear = kernels.linear_bf16_amx if self.on_amx else kernels.linear_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"NativeBf16Linear computes in bfloat16; got {x.dtype} input")
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if rows.shape[0]:
+        rows = _rows(x, self.in_features)
+        num_rows = rows.shape[0]
+        out = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
+        if num_rows:
             status = self._linear(
                 rows.data_ptr(),
-                self.packed.data_ptr(),
-                None if self._bias is None else self._bias.data_ptr(),
+                self._packed.address,
+                self._bias.address,
                 out.data_ptr(),
-                rows.shape[0],
+                num_rows,
                 self.in_features,
                 self.out_features,
             )
-            _check_status(status, self.on_amx, "the bfloat16 linear kernel")
-        return out.view(*x.shape[:-1], self.out_features)
+            if status <= 0:
+                _check_status(status, self.on_amx, "the bfloat16 linear kernel")
+        return _shaped(out, x)
 
     def extra_repr(self) -> str:
         return (
@@ -232,7 +271,9 @@ class NativeFp8Linear(torch.nn.Module):
             raise ValueError(f"an FP8 weight holds {nan} NaN values")
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("packed_scale", packed_scale, persistent=False)
+        self._packed, self._packed_scale = _Held(packed), _Held(packed_scale)
         self.bias = None if bias is None else bias.detach().bfloat16().contiguous()
+        self._bias = _Held.of(self.bias)
         self.input_scale = None if input_scale is None else input_scale.detach().reshape(1)
         self._scale_value = None if input_scale is None else float(input_scale)
         self.dynamic_inputs = dynamic_inputs
@@ -253,23 +294,25 @@ class NativeFp8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"NativeFp8Linear computes in bfloat16; got {x.dtype} input")
-        rows = x.reshape(-1, self.in_features).contiguous()
+        rows = _rows(x, self.in_features)
         if self.input_scale is not None or self.dynamic_inputs:
             rows = self._fake_quantize(rows)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if rows.shape[0]:
+        num_rows = rows.shape[0]
+        out = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
+        if num_rows:
             status = self._linear(
                 rows.data_ptr(),
-                self.packed.data_ptr(),
-                self.packed_scale.data_ptr(),
-                None if self.bias is None else self.bias.data_ptr(),
+                self._packed.address,
+                self._packed_scale.address,
+                self._bias.address,
                 out.data_ptr(),
-                rows.shape[0],
+                num_rows,
                 self.in_features,
                 self.out_features,
             )
-            _check_status(status, self.on_amx, "the FP8 linear kernel")
-        return out.view(*x.shape[:-1], self.out_features)
+            if status <= 0:
+                _check_status(status, self.on_amx, "the FP8 linear kernel")
+        return _shaped(out, x)
 
     def _fake_quantize(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` rounded to FP8 steps in bfloat16: of each row's own scale

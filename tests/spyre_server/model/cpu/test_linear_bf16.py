@@ -224,6 +224,22 @@ def test_the_module_takes_any_leading_shape_and_strided_input(bias: bool) -> Non
     assert "native bfloat16" in repr(native)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_converted_module_still_computes_what_it_packed(bias: bool) -> None:
+    """The kernel reads the packed weight and the bias through addresses taken once: a
+    conversion that replaces the module's tensors (``.float()``) must leave it reading them, not
+    freed memory."""
+    linear = bf16_linear(40, 96, bias)
+    native = NativeBf16Linear(linear, kernels())
+    x = torch.randn(3, 96).bfloat16()
+    want = contract(x, linear)
+    native.float()
+    assert native.packed.dtype == torch.float32
+    torch.full((1 << 20,), 7.0)  # reuses freed memory, if any
+    with torch.inference_mode():
+        assert torch.equal(native(x), want)
+
+
 def test_the_module_refuses_other_dtypes() -> None:
     with pytest.raises(ValueError, match=r"bfloat16 CPU weights, not torch\.float32"):
         NativeBf16Linear(torch.nn.Linear(8, 8), kernels())
