@@ -129,7 +129,7 @@ def median_time(fn: Callable[[], float], reps: int) -> float:
 def sampled(step: ScheduledStep, logits: torch.Tensor | None) -> ModelRunnerOutput:
     if logits is None:
         return ModelRunnerOutput({})
-    ids = logits.argmax(dim=-1).tolist()
+    ids = logits.float().argmax(dim=-1).tolist()  # as the sampler: bfloat16's argmax is 5x slower
     if isinstance(step, PrefillChunk):
         return ModelRunnerOutput({step.request_id: ids[0]})
     return ModelRunnerOutput({e.request_id: t for e, t in zip(step.entries, ids, strict=True)})
