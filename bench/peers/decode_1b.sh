@@ -11,11 +11,14 @@
 #   llama-q8   the same quantized to Q8_0 by llama-quantize
 #   vllm-bf16  vLLM CPU in bfloat16 (needs install.sh's venv-cpu)
 # Each server gets two `spyre-server bench prefix-repetition` runs with token-id prompts of 256
-# shared + 256 own tokens and 128 tokens out: one stream at a time (its inter-token latency is
+# shared + 256 own tokens (PREFIX_LEN, SUFFIX_LEN) and 128 tokens out: one stream at a time (its inter-token latency is
 # the single-request decode step) and 8 at a time (output tokens/s).
 #   PEERS=/path/filled/by/install.sh bench/peers/decode_1b.sh [spyre] [llama-f16] [llama-q8] [vllm-bf16]
 #   PEERS=... bench/peers/decode_1b.sh summary spyre llama-f16 ...   # the table of earlier runs
 #   CHECKPOINT=granite PEERS=... bench/peers/decode_1b.sh spyre ...  # results in $P/results-granite
+# PREFIX_LEN / SUFFIX_LEN (default 256 / 256) set the prompts' shared and own tokens, for decode
+# over longer contexts (vLLM's script serves up to 4,096 tokens: PREFIX_LEN=3584 fits); pick an
+# OUT of their own.
 # LLAMA_ARGS go to both llama-servers (on the AMX Xeon, Q8_0's weight repacking crashed at load:
 # LLAMA_ARGS=--no-repack).
 # Run from the repo root with spyre-server installed in .venv; nothing else may run meanwhile.
@@ -34,6 +37,9 @@ MODEL_DIR=$P/models/$CHECKPOINT
 FP8_DIR=$P/models/$CHECKPOINT-fp8
 LLAMA_SRC=$P/src/llama_cpp_python-0.3.36/vendor/llama.cpp
 NAME=$CHECKPOINT
+PREFIX_LEN=${PREFIX_LEN:-256}
+SUFFIX_LEN=${SUFFIX_LEN:-256}
+MAX_MODEL_LEN=$(( (PREFIX_LEN + SUFFIX_LEN + 128 + 2047) / 2048 * 2048 ))
 mkdir -p "$OUT"
 [ $# -gt 0 ] || set -- spyre llama-f16 llama-q8
 
@@ -79,10 +85,10 @@ start() {  # name -> starts the server in the background, sets PID and URL
   case $1 in
     spyre) URL=http://127.0.0.1:8031
       "$REPO/.venv/bin/spyre-server" serve --model "$MODEL_DIR" --served-model-name $NAME \
-        --port 8031 >"$OUT/spyre.log" 2>&1 & ;;
+        --max-model-len $MAX_MODEL_LEN --port 8031 >"$OUT/spyre.log" 2>&1 & ;;
     spyre-fp8) URL=http://127.0.0.1:8032
       "$REPO/.venv/bin/spyre-server" serve --model "$FP8_DIR" --served-model-name $NAME \
-        --dtype bfloat16 --port 8032 >"$OUT/spyre-fp8.log" 2>&1 & ;;
+        --dtype bfloat16 --max-model-len $MAX_MODEL_LEN --port 8032 >"$OUT/spyre-fp8.log" 2>&1 & ;;
     llama-f16) URL=http://127.0.0.1:8131
       PORT=8131 NAME=$NAME GGUF=$P/models/$CHECKPOINT-F16.gguf "$HERE/start_llama_server.sh" ${LLAMA_ARGS:-} >"$OUT/$1.log" 2>&1 & ;;
     llama-q8) URL=http://127.0.0.1:8132
@@ -105,8 +111,8 @@ for server in "$@"; do
   for concurrency in 1 8; do
     prompts=$((concurrency == 1 ? 3 : 16))
     "$REPO/.venv/bin/spyre-server" bench prefix-repetition --base-url "$URL" --model $NAME \
-      --tokenizer "$MODEL_DIR" --num-prompts $prompts --num-prefixes 2 --prefix-len 256 \
-      --suffix-len 256 --output-len 128 --max-concurrency $concurrency --disable-tqdm \
+      --tokenizer "$MODEL_DIR" --num-prompts $prompts --num-prefixes 2 --prefix-len $PREFIX_LEN \
+      --suffix-len $SUFFIX_LEN --output-len 128 --max-concurrency $concurrency --disable-tqdm \
       --output "$OUT/$server-c$concurrency.json" >"$OUT/$server-c$concurrency.txt"
   done
   kill -TERM "$PID"; wait "$PID" 2>/dev/null || true
