@@ -259,7 +259,7 @@ struct OwnTasks {
     template <typename T>
     void plan(const Args<T>& a, int64_t row_blocks) const {
         const int64_t least = (a.H + kOwnHeads - 1) / kOwnHeads;
-        int64_t total = 0;
+        int64_t total = 0;  // parts[b] holds sequence b's keys until it holds its parts
         for (int64_t b = 0; b < a.n; b++) total += parts[b] = seen_keys(a, b);
         first[0] = 0;
         for (int64_t b = 0; b < a.n; b++) {

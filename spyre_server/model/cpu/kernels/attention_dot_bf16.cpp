@@ -363,11 +363,10 @@ inline float row_sum(const float* l) { return _mm512_reduce_add_ps(_mm512_load_p
 template <int64_t D>
 struct Layout {
     // Floats of scratch, each part 64-byte aligned, in order: own_part's task plan (OwnTasks);
-    // qs [H][Rq][D] bfloat16 (the rows
-    // of each head, zero past R: a 16-row tile may start at any row); shared out [H][Rp][D] and
-    // lse [H][Rp]; per (head, split) the shared part's results (States of Rp rows, each row's sum
-    // in 16 lanes); per thread a Work and an own task's results (States of kOwnRows rows for each
-    // of up to kOwnHeads heads).
+    // qs [H][Rq][D] bfloat16 (the rows of each head, zero past R: a 16-row tile may start at any
+    // row); shared out [H][Rp][D] and lse [H][Rp]; per (head, split) the shared part's results
+    // (States of Rp rows, each row's sum in 16 lanes); per thread a Work and an own task's
+    // results (States of kOwnRows rows for each of up to kOwnHeads heads).
     int64_t H, R, threads;
     int64_t Rp() const { return round16(R); }
     int64_t Rq() const { return round16(R) + kRows; }

@@ -53,24 +53,16 @@ def _check_status(status: int, on_amx: bool, kernel: str) -> None:
 
 
 class _Held:
-    """A tensor a kernel reads through its address, and that address, taken once. The module
-    holds the tensor here as well as in its buffer, so the address stays valid whatever happens
-    to its buffers (a conversion that replaces them leaves the kernel reading what it packed)."""
+    """A tensor a kernel reads through its address, and that address, taken once (None for no
+    tensor: the kernels' null pointer). The module holds the tensor here as well as in its
+    buffer, so the address stays valid whatever happens to its buffers (a conversion that
+    replaces them leaves the kernel reading what it packed)."""
 
     __slots__ = ("address", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor | None) -> None:
         self.tensor = tensor
-        self.address: int | None = tensor.data_ptr()
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor | None) -> _Held:
-        """``tensor`` held, or None's: address None (the kernels' null pointer)."""
-        if tensor is not None:
-            return cls(tensor)
-        held = cls.__new__(cls)
-        held.tensor, held.address = None, None
-        return held
+        self.address = None if tensor is None else tensor.data_ptr()
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -170,7 +162,7 @@ class NativeBf16Linear(torch.nn.Module):
         self._packed = _Held(packed)
         self.bias = linear.bias
         # What the kernel reads: the bias as contiguous bfloat16 (the parameter itself, mostly).
-        self._bias = _Held.of(
+        self._bias = _Held(
             None if linear.bias is None else linear.bias.detach().bfloat16().contiguous()
         )
         self.kernels = kernels
@@ -273,7 +265,7 @@ class NativeFp8Linear(torch.nn.Module):
         self.register_buffer("packed_scale", packed_scale, persistent=False)
         self._packed, self._packed_scale = _Held(packed), _Held(packed_scale)
         self.bias = None if bias is None else bias.detach().bfloat16().contiguous()
-        self._bias = _Held.of(self.bias)
+        self._bias = _Held(self.bias)
         self.input_scale = None if input_scale is None else input_scale.detach().reshape(1)
         self._scale_value = None if input_scale is None else float(input_scale)
         self.dynamic_inputs = dynamic_inputs
