@@ -20,18 +20,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
+from bench_attention import EVICT_BYTES
+from bench_kernels import seconds
 
-from spyre_server.model.cpu.kernels.library import (
-    amx_unsupported_reason,
-    avx512_bf16_unsupported_reason,
-    default_kernel_dir,
-    load_native_kernels,
-)
 from spyre_server.model.cpu.ops.native_attention import NativePagedAttention
 from spyre_server.model.cpu.paged_attention import plan_attention
+from spyre_server.model.cpu.prepare import cpu_attention_kernel
 
 BLOCK = 64
 SHAPES = {"SmolLM2-135M": (3, 3, 64), "Llama-3.2-1B": (8, 4, 64)}
@@ -40,17 +36,6 @@ SHORT = 128
 """Tokens of the short requests beside a long one."""
 KV_BYTES_PER_PASS = 64_000_000
 """About this much KV per timed pass (more layers at short contexts), fewer than 16 layers."""
-EVICT_BYTES = 1 << 30
-
-
-def kernel() -> tuple[str, NativePagedAttention]:
-    """What ``model.attention_kernel: auto`` runs in bfloat16 here."""
-    lib = load_native_kernels(default_kernel_dir())
-    if amx_unsupported_reason() is None:
-        return "amx", NativePagedAttention(lib, bf16_dot="amx")
-    if avx512_bf16_unsupported_reason() is None:
-        return "avx512_bf16", NativePagedAttention(lib, bf16_dot="avx512_bf16")
-    return "native", NativePagedAttention(lib)
 
 
 def per_layer(
@@ -96,8 +81,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     evict = torch.ones(EVICT_BYTES // 4)
-    bound = statistics.median(evict.numel() * 4 / _seconds(evict.sum) / 1e9 for _ in range(5))
-    name, attention = kernel()
+    bound = evict.numel() * 4 / seconds(evict.sum, reps=5) / 1e9
+    # What the server builds for model.attention_kernel: auto (both models' head_dim is 64).
+    attention = cpu_attention_kernel("auto", dtype=torch.bfloat16, head_dim=64)
+    if attention is None:
+        raise SystemExit("attention_kernel auto is SDPA's flash here: not our kernel")
+    name = attention.bf16_dot or "native"  # a decode step runs ours under mixed too
     print(f"{args.threads} threads, attention kernel {name}; streaming read {bound:.1f} GB/s")
     print("\n| heads | requests (tokens) | us per layer | KV GB/s | of the bound |")
     print("|---|---|---|---|---|")
@@ -107,18 +96,12 @@ def main() -> None:
                 batches = {f"{n} x {context}": [context] * n for n in (1, 2, 3, 8)}
                 batches[f"{context} + 2 x {SHORT}"] = [context, SHORT, SHORT]
                 for label, lengths in batches.items():
-                    seconds, kv_bytes = per_layer(attention, shape, lengths, evict, args.reps)
-                    rate = kv_bytes / seconds / 1e9
+                    layer_s, kv_bytes = per_layer(attention, shape, lengths, evict, args.reps)
+                    rate = kv_bytes / layer_s / 1e9
                     print(
-                        f"| {shape_name} | {label} | {seconds * 1e6:.0f} | "
+                        f"| {shape_name} | {label} | {layer_s * 1e6:.0f} | "
                         f"{rate:.1f} | {rate / bound:.0%} |"
                     )
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@
 #   llama-q8   the same quantized to Q8_0 by llama-quantize
 #   vllm-bf16  vLLM CPU in bfloat16 (needs install.sh's venv-cpu)
 # Each server gets two `spyre-server bench prefix-repetition` runs with token-id prompts of 256
-# shared + 256 own tokens (PREFIX_LEN, SUFFIX_LEN) and 128 tokens out: one stream at a time (its inter-token latency is
-# the single-request decode step) and 8 at a time (output tokens/s).
+# shared + 256 own tokens (PREFIX_LEN, SUFFIX_LEN) and 128 tokens out: one stream at a time (its
+# inter-token latency is the single-request decode step) and 8 at a time (output tokens/s).
 #   PEERS=/path/filled/by/install.sh bench/peers/decode_1b.sh [spyre] [llama-f16] [llama-q8] [vllm-bf16]
 #   PEERS=... bench/peers/decode_1b.sh summary spyre llama-f16 ...   # the table of earlier runs
 #   CHECKPOINT=granite PEERS=... bench/peers/decode_1b.sh spyre ...  # results in $P/results-granite
@@ -39,7 +39,8 @@ LLAMA_SRC=$P/src/llama_cpp_python-0.3.36/vendor/llama.cpp
 NAME=$CHECKPOINT
 PREFIX_LEN=${PREFIX_LEN:-256}
 SUFFIX_LEN=${SUFFIX_LEN:-256}
-MAX_MODEL_LEN=$(( (PREFIX_LEN + SUFFIX_LEN + 128 + 2047) / 2048 * 2048 ))
+OUTPUT_LEN=128
+MAX_MODEL_LEN=$(( (PREFIX_LEN + SUFFIX_LEN + OUTPUT_LEN + 2047) / 2048 * 2048 ))
 mkdir -p "$OUT"
 [ $# -gt 0 ] || set -- spyre llama-f16 llama-q8
 
@@ -112,7 +113,7 @@ for server in "$@"; do
     prompts=$((concurrency == 1 ? 3 : 16))
     "$REPO/.venv/bin/spyre-server" bench prefix-repetition --base-url "$URL" --model $NAME \
       --tokenizer "$MODEL_DIR" --num-prompts $prompts --num-prefixes 2 --prefix-len $PREFIX_LEN \
-      --suffix-len $SUFFIX_LEN --output-len 128 --max-concurrency $concurrency --disable-tqdm \
+      --suffix-len $SUFFIX_LEN --output-len $OUTPUT_LEN --max-concurrency $concurrency --disable-tqdm \
       --output "$OUT/$server-c$concurrency.json" >"$OUT/$server-c$concurrency.txt"
   done
   kill -TERM "$PID"; wait "$PID" 2>/dev/null || true

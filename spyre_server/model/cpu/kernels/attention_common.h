@@ -269,6 +269,16 @@ struct OwnTasks {
         }
     }
 
+    // The sequence whose tasks hold `task` (< first[n]): the last b with first[b] <= task.
+    int64_t sequence(int64_t task, int64_t n) const {
+        int64_t lo = 0, hi = n - 1;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (first[mid] <= task) lo = mid; else hi = mid - 1;
+        }
+        return lo;
+    }
+
     // The own keys sequence b's last row sees (at least 1).
     template <typename T>
     static int64_t seen_keys(const Args<T>& a, int64_t b) {
@@ -333,8 +343,7 @@ void own_part(const Args<T>& a, float* works, int64_t stride, int64_t offset,
         int64_t firsts[OwnRows + 16], limits[OwnRows + 16];  // a 16-row tile may run past them
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tasks.first[a.n]; task++) {
-            int64_t b = 0;
-            while (task >= tasks.first[b + 1]) b++;
+            const int64_t b = tasks.sequence(task, a.n);
             const int64_t parts = tasks.parts[b], in_sequence = task - tasks.first[b];
             const int64_t part = in_sequence % parts, r0 = in_sequence / parts * OwnRows;
             const int64_t h0 = a.H * part / parts, h1 = a.H * (part + 1) / parts;
