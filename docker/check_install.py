@@ -3,7 +3,8 @@
 spyre-server and every runtime dependency import; each requirement spyre-server declares is met
 by the installed version; torch is the one the ``TORCH`` build argument asked for: ``cpu``, the
 venv's own install; ``base``, the base image's, untouched; where the CPU can run them, the
-native kernels the ``kernels`` stage built load without a compiler (which the image lacks).
+native kernels the ``kernels`` stage built load without a compiler (which the image lacks);
+the spyre backend's FP8 addon imports.
 Exits non-zero, saying why, if not.
 """
 
@@ -58,6 +59,13 @@ def main() -> int:
             print(f"native kernels: {native_kernels.load_native_kernels(kernel_dir).path}")
         except native_kernels.NativeKernelError as exc:
             problems.append(f"the native kernels do not load: {exc}")
+    from spyre_server.model.errors import ModelLoadError
+    from spyre_server.model.spyre.fp8 import load_fp8_addon
+
+    try:
+        load_fp8_addon()
+    except ModelLoadError as exc:
+        problems.append(str(exc))
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -99,6 +99,7 @@ def _compile(config: Config) -> int:
     from spyre_server.engine.factory import build_engine, check_backend
     from spyre_server.model.loading import (
         ModelLoadError,
+        fp8_scale_dtype_for,
         fused_weights_for,
         load_model,
         model_dtype,
@@ -113,7 +114,12 @@ def _compile(config: Config) -> int:
         torch.set_num_threads(1)
         dtype = model_dtype(config)
         path = resolve_model_path(config, progress=_progress)
-        loaded = load_model(path, dtype, fused_weights=fused_weights_for(config))
+        loaded = load_model(
+            path,
+            dtype,
+            fused_weights=fused_weights_for(config),
+            fp8_scale_dtype=fp8_scale_dtype_for(config),
+        )
         engine = build_engine(config, loaded, compile_only=True)
     except ModelLoadError as exc:
         _progress(f"error: {exc}")

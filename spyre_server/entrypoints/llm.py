@@ -12,6 +12,7 @@ from spyre_server.engine.factory import build_engine, check_backend
 from spyre_server.engine.validation import check_max_tokens, check_prompt
 from spyre_server.model.loading import (
     configure_torch,
+    fp8_scale_dtype_for,
     fused_weights_for,
     load_model,
     model_dtype,
@@ -42,6 +43,7 @@ class LLM:
             resolve_model_path(config),
             model_dtype(config),
             fused_weights=fused_weights_for(config),
+            fp8_scale_dtype=fp8_scale_dtype_for(config),
             weights=weights_in_process(config),
         )
         return cls(build_engine(config, loaded))

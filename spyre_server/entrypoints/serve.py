@@ -30,6 +30,7 @@ from spyre_server.entrypoints.listen_socket import bind_socket
 from spyre_server.model.loading import (
     LoadedModel,
     compute_threads,
+    fp8_scale_dtype_for,
     fused_weights_for,
     load_model,
     model_dtype,
@@ -54,7 +55,11 @@ def load(config: Config) -> LoadedModel:
     dtype = model_dtype(config)
     logger.info("loading the model from %s (%s)", path, str(dtype).removeprefix("torch."))
     return load_model(
-        path, dtype, fused_weights=fused_weights_for(config), weights=weights_in_process(config)
+        path,
+        dtype,
+        fused_weights=fused_weights_for(config),
+        fp8_scale_dtype=fp8_scale_dtype_for(config),
+        weights=weights_in_process(config),
     )
 
 

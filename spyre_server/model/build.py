@@ -63,6 +63,7 @@ def build_runner(
         max_model_len=sched.max_model_len,
         compile_backend=config.model.compile_backend,
         sliding_window=window,
+        fp8_scheme=None if loaded.spec is None else loaded.spec.fp8,
         special_token_ids=[] if loaded.eos_token_id is None else [loaded.eos_token_id],
         compile_only=compile_only,
     )

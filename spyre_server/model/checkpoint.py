@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from spyre_server.model.errors import ModelLoadError
-from spyre_server.model.fp8 import adapt_fp8_tensors
+from spyre_server.model.fp8 import Fp8Linear, adapt_fp8_tensors
 from spyre_server.model.hf_config import ModelSpec
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>.*?\.)(?P<index>\d+)\.(?P<rest>.+)$")
@@ -189,10 +189,10 @@ def _place(
             f"the checkpoint's {origin} has shape {list(tensor.shape)}, the model built from "
             f"config.json has {list(current.shape)} for it ({name})"
         )
-    # An FP8 weight stays FP8; every other tensor takes the model's dtype (FP8 scales too, as
-    # HF transformers casts them).
-    keep = current.dtype == torch.float8_e4m3fn
-    if keep and tensor.dtype != current.dtype:
+    # An FP8 layer's tensors keep the dtypes it was built with (its weight FP8, its scales
+    # ``use_fp8_linears``'s scale dtype); every other tensor takes the model's dtype.
+    keep = isinstance(module, Fp8Linear)
+    if current.dtype == torch.float8_e4m3fn and tensor.dtype != current.dtype:
         raise ModelLoadError(
             f"the checkpoint's {origin} is {tensor.dtype}, the model's FP8 layer takes "
             f"float8_e4m3fn ({name})"

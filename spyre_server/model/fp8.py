@@ -175,11 +175,11 @@ class Fp8Linear(torch.nn.Module):
 
 
 def use_fp8_linears(
-    model: torch.nn.Module, scheme: Fp8Scheme, dtype: torch.dtype, head: torch.nn.Module
+    model: torch.nn.Module, scheme: Fp8Scheme, scale_dtype: torch.dtype, head: torch.nn.Module
 ) -> int:
     """Replace every ``nn.Linear`` of ``model`` but ``head`` (the unquantized LM head) by an
-    ``Fp8Linear`` of its shape, on the meta device, for the checkpoint to fill; returns how
-    many. Refuses (ModelLoadError) a layer with a bias: compressed-tensors' FP8 layers of the
+    ``Fp8Linear`` of its shape with scales in ``scale_dtype``, on the meta device, for the
+    checkpoint to fill; returns how many. Refuses (ModelLoadError) a layer with a bias: compressed-tensors' FP8 layers of the
     architectures served have none."""
     replaced = 0
     for module in list(model.modules()):
@@ -192,7 +192,7 @@ def use_fp8_linears(
                 fp8 = Fp8Linear(
                     child.in_features,
                     child.out_features,
-                    dtype,
+                    scale_dtype,
                     input_scales=scheme.input_scales,
                 )
             setattr(module, name, fp8)

@@ -19,7 +19,8 @@ from spyre_server.model.errors import ModelLoadError
 from spyre_server.model.fp8 import use_fp8_linears
 from spyre_server.model.hf_config import ModelSpec, check_serving, read_model_spec
 from spyre_server.model.rope import install_rope, rope_length, rotary_embeddings
-from spyre_server.model.runner import kv_cache_shape
+from spyre_server.model.runner import attention_window, kv_cache_shape
+from spyre_server.model.spyre.fp8 import check_spyre_fp8
 from spyre_server.model.store import default_cache_dir, prepare_default_model
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,15 @@ def fused_weights_for(config: Config) -> bool:
     return config.model.backend != "spyre"
 
 
+def fp8_scale_dtype_for(config: Config) -> torch.dtype | None:
+    """The dtype an FP8 checkpoint's scales are loaded in for ``config``'s backend: the
+    model's (None), as HF transformers casts them, on the cpu backend; float32 on the spyre
+    backend, as the reference keeps them (sendnn-inference 2.6.3,
+    model_executor/model_loader/spyre.py, ``cast_params_for_spyre``: "fp8 weights and fp32
+    scales are left untouched"), since the card's float16 would round small scales."""
+    return torch.float32 if config.model.backend == "spyre" else None
+
+
 def weights_in_process(config: Config) -> bool:
     """Whether the engine's process loads the model's weights: not with
     ``model.tensor_parallel_size`` above 1, whose ranks each load their shard
@@ -123,7 +133,12 @@ def weights_in_process(config: Config) -> bool:
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, *, fused_weights: bool = True, weights: bool = True
+    path: Path,
+    dtype: torch.dtype,
+    *,
+    fused_weights: bool = True,
+    fp8_scale_dtype: torch.dtype | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load an HF-format checkpoint and the tokenizer of the same folder: the fms model that
     config.json describes (``hf_config.read_model_spec``: refused by name where it would not
@@ -132,6 +147,8 @@ def load_model(
     HF computes them (``rope.install_rope``). ``fused_weights=False``: the model built with
     unfused projections, which fms's adapters then fill unfused (``fused_weights_for(config)``
     says which a backend wants); fms's Mixtral has no unfused form and stays fused.
+    ``fp8_scale_dtype``: an FP8 checkpoint's scales in that dtype (``fp8_scale_dtype_for``);
+    None: in ``dtype``.
     ``weights=False``: the model's modules on the meta device, no weights read
     (``weights_in_process``): what the model is, its sizes and its tokenizer."""
     from transformers import AutoTokenizer
@@ -143,7 +160,7 @@ def load_model(
         spec = replace(spec, fms_config=spec.fms_config.updated(fused_weights=False))
     model = build_model(spec)
     if spec.fp8 is not None:
-        use_fp8_linears(model, spec.fp8, dtype, head=model.head)
+        use_fp8_linears(model, spec.fp8, fp8_scale_dtype or dtype, head=model.head)
     if weights:
         _fill(model, path, spec, dtype)
     model.eval()
@@ -230,23 +247,28 @@ def check_serving_config(config: Config, loaded: LoadedModel) -> None:
     max_model_len = config.model.max_model_len
     check_serving(spec, max_model_len, sliding_window_attention=sliding_window_attention(config))
     if spec.fp8 is not None:
-        _check_fp8_serving(config, loaded.dtype)
+        _check_fp8_serving(config, loaded)
     if spec.rope is not None and (rope_length(loaded.model) or 0) < max_model_len:
         install_rope(loaded.model, spec.rope, max_model_len)
 
 
-def _check_fp8_serving(config: Config, dtype: torch.dtype) -> None:
-    """Refuse what an FP8 checkpoint cannot be served with: the spyre backend (the reference
-    runs FP8 through fms-model-optimizer's operations, not loaded here), tensor parallelism, and
-    a dtype other than bfloat16 (the FP8 kernel's)."""
-    if config.model.backend == "spyre":
-        raise ModelLoadError(
-            "FP8 checkpoints on the spyre backend need fms-model-optimizer's FP8 operations "
-            "(sendnn-inference loads them through fms_mo.aiu_addons.fp8), which this server "
-            "does not load; serve this checkpoint on the cpu backend"
-        )
+def _check_fp8_serving(config: Config, loaded: LoadedModel) -> None:
+    """Refuse what an FP8 checkpoint cannot be served with: tensor parallelism; on the spyre
+    backend, what the reference's FP8 programs cannot run (``spyre.fp8.check_spyre_fp8``,
+    which also loads fms-model-optimizer's FP8 addon); on the cpu backend, a dtype other than
+    bfloat16 (the FP8 kernel's)."""
+    assert loaded.spec is not None and loaded.spec.fp8 is not None
     if config.model.tensor_parallel_size > 1:
         raise ModelLoadError("FP8 checkpoints with model.tensor_parallel_size above 1")
+    if config.model.backend == "spyre":
+        window = attention_window(loaded.model, config.model.max_model_len)
+        check_spyre_fp8(
+            loaded.spec.fp8,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            sliding_window=window is not None,
+        )
+        return
+    dtype = loaded.dtype
     if dtype != torch.bfloat16:
         raise ModelLoadError(
             f"FP8 checkpoints compute in bfloat16 here (model.dtype resolved to {dtype}; "

@@ -251,7 +251,7 @@ def test_missing_scales_or_fused_layers_with_different_input_scales_are_refused(
     ("overrides", "named"),
     [
         ({"model.dtype": "float32"}, "FP8 checkpoints compute in bfloat16"),
-        ({"model.backend": "spyre"}, "fms_mo.aiu_addons.fp8"),
+        ({"model.backend": "spyre"}, "per-channel weight scales and a static input scale"),
     ],
 )
 def test_serving_settings_fp8_cannot_run_with_are_refused_at_start(

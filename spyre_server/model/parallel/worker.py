@@ -33,7 +33,12 @@ from scheduler import SchedulerConfig
 from spyre_server.config import Config
 from spyre_server.model.build import build_runner
 from spyre_server.model.cpu.kernels.library import NativeKernelError, NativeKernelSettings
-from spyre_server.model.loading import check_serving_config, fused_weights_for, load_model
+from spyre_server.model.loading import (
+    check_serving_config,
+    fp8_scale_dtype_for,
+    fused_weights_for,
+    load_model,
+)
 from spyre_server.model.parallel.group import init_rank_group
 from spyre_server.model.parallel.shard import shard_, shard_head_
 from spyre_server.model.parallel.shared_sum import SharedSum, SharedSumBuffers
@@ -140,7 +145,12 @@ def _start(setup: RankSetup) -> tuple[LocalModelRunner, slice | None]:
                 "rank)",
                 setup.rank,
             )
-    loaded = load_model(setup.path, setup.dtype, fused_weights=fused_weights_for(config))
+    loaded = load_model(
+        setup.path,
+        setup.dtype,
+        fused_weights=fused_weights_for(config),
+        fp8_scale_dtype=fp8_scale_dtype_for(config),
+    )
     check_serving_config(config, loaded)
     shard_(loaded.model, setup.rank, setup.size)
     if config.model.backend == "cpu":

@@ -18,7 +18,8 @@ On a CPU this is a fidelity path (the same traced programs as on the card), not 
 
 A model with a sliding window runs the programs with the reference stack's windowed attention
 op instead (windowed_attention.py): the same store, each query attending the keys inside its
-window only.
+window only. An FP8 checkpoint runs them with fms-model-optimizer's FP8 linear layers and
+attention op over a float8_e4m3fn KV cache, its decode batches of 1 as 2 (fp8.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from typing import Any
 import torch
 
 from scheduler import DecodeBatch, DecodeEntry, PrefillChunk, PrefillCompute
+from spyre_server.model.fp8 import Fp8Scheme
 from spyre_server.model.runner import LocalModelRunner, ProgramShape, ProgramStats, query_heads
+from spyre_server.model.spyre import fp8
 from spyre_server.model.spyre.compile import (
     GraphCacheCounts,
     compile_model,
@@ -70,16 +73,26 @@ class SpyreModelRunner(LocalModelRunner):
         max_model_len: int,
         compile_backend: str,
         sliding_window: int | None = None,
+        fp8_scheme: Fp8Scheme | None = None,
         compile_only: bool = False,
         special_token_ids: Sequence[int] = (),
     ) -> None:
         """``sliding_window``: every layer's window in keys, as HF transformers'
-        ``sliding_window``; None: none. ``compile_only``: compile for a card without one
-        (``sendnn`` only: the reference's ``sendnn_compile_only``). ``special_token_ids``: ids
-        the warm-up prompts leave out (eos, bos), as the reference's do."""
+        ``sliding_window``; None: none. ``fp8_scheme``: the model is an FP8 checkpoint's
+        (``fp8.check_spyre_fp8`` must have accepted it); None: not quantized.
+        ``compile_only``: compile for a card without one (``sendnn`` only: the reference's
+        ``sendnn_compile_only``). ``special_token_ids``: ids the warm-up prompts leave out
+        (eos, bos), as the reference's do."""
         import fms.utils.spyre.paged  # noqa: F401  (registers "spyre_paged_attn" with fms)
 
-        super().__init__(unfused(model), num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+        self.fp8 = fp8_scheme is not None
+        programs_model = unfused(model)
+        if fp8_scheme is not None:
+            programs_model = fp8.with_fms_mo_linears(programs_model, fp8_scheme)
+        kv_dtype = torch.float8_e4m3fn if self.fp8 else dtype
+        super().__init__(
+            programs_model, num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype
+        )
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -89,12 +102,16 @@ class SpyreModelRunner(LocalModelRunner):
         """The programs' attention op and its arguments."""
         if sliding_window is not None:
             self._attention = windowed_attention_kwargs(sliding_window, query_heads(model), dtype)
+        if self.fp8:
+            self._attention = {"attn_name": fp8.ATTN_NAME}
+            self.kv_caches = fp8.scaled_kv_caches(self.kv_caches, max_num_seqs)
+        smallest_decode = fp8.MIN_DECODE_BATCH if self.fp8 else 1
         self.programs = frozenset(
             [ProgramShape("prefill", f"1x{chunk_size}")]
-            + [ProgramShape("decode", f"{b}x1") for b in range(1, max_num_seqs + 1)]
+            + [ProgramShape("decode", f"{b}x1") for b in range(smallest_decode, max_num_seqs + 1)]
         )
-        """Every step shape the scheduler can issue: one prefill window, a decode batch per
-        size. One dynamic graph per kind serves them all."""
+        """Every step shape the card runs: one prefill window, a decode batch per size (an FP8
+        model's batches of 1 run as 2). One dynamic graph per kind serves them all."""
         self._compiled, self._compiler = compile_model(
             self.model, compile_backend, max_model_len=max_model_len, compile_only=compile_only
         )
@@ -113,12 +130,18 @@ class SpyreModelRunner(LocalModelRunner):
         """Compile the prefill and the decode graph as the reference does
         (v1/worker/spyre_worker.py, ``_warmup_spyre_dynamic_size`` and ``_dynamic_warmup``):
         inside ``torch_sendnn.warmup_mode()`` on a card, with size-oblivious dynamic shapes, one
-        prefill of a 42-token prompt and one decode of it (batch 1: the reference's batch 2 is
-        for FP8 models, which we do not serve); then, outside both, one more prefill and decode
-        of another prompt, which deploys the programs to the card. Warm-up writes real KV
-        blocks, as the reference's does; the cache is zeroed afterwards."""
+        prefill of a 42-token prompt and one decode of it (an FP8 model: two prompts, then a
+        decode of both); then, outside both, one more prefill and decode of another prompt,
+        which deploys the programs to the card. Warm-up writes real KV blocks, as the
+        reference's does; the cache is zeroed afterwards."""
         cache_before = graph_cache_counts(self.compile_backend)
-        first, deploy = self._warmup_request(0), self._warmup_request(1)
+        if self.fp8:
+            (p0, d0), (p1, d1) = self._warmup_request(0), self._warmup_request(1)
+            both = DecodeBatch(entries=d0.entries + d1.entries, tkv=max(d0.tkv, d1.tkv))
+            first: tuple[PrefillChunk | DecodeBatch, ...] = (p0, p1, both)
+            deploy: tuple[PrefillChunk | DecodeBatch, ...] = self._warmup_request(2)
+        else:
+            first, deploy = self._warmup_request(0), self._warmup_request(1)
         with self.grad_mode():
             with warmup_context(self.compile_backend), size_oblivious():
                 logger.info("warm-up: compiling the prefill and the decode graph")
@@ -128,8 +151,11 @@ class SpyreModelRunner(LocalModelRunner):
             for step in deploy:
                 self._run(self._inputs(step))
         # The reference's complete_warmup gives the model a fresh (zeroed) KV cache.
-        for layer, (k, v) in enumerate(self.kv_caches):
-            self.kv_caches[layer] = (torch.zeros_like(k), torch.zeros_like(v))
+        if self.fp8:
+            self.kv_caches = [(fp8.cache_blocks(k), fp8.cache_blocks(v)) for k, v in self.kv_caches]
+        self.kv_caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in self.kv_caches]
+        if self.fp8:
+            self.kv_caches = fp8.scaled_kv_caches(self.kv_caches, self.max_num_seqs)
         self.warmup_graph_cache = graph_cache_counts(self.compile_backend, since=cache_before)
         self._graphs_at_warmup = dict(self._graphs)
         self._num_steps = dict.fromkeys(self.programs, 0)
@@ -211,6 +237,15 @@ class SpyreModelRunner(LocalModelRunner):
         return self._run(decode_inputs(step, self.block_size))[:, -1]
 
     def _run(self, inputs: SpyreInputs) -> torch.Tensor:
+        """The step's logits, one row per row of ``inputs``."""
+        if not self.fp8:
+            return self._run_program(inputs)
+        rows = len(inputs.input_ids)
+        padded = fp8.padded_decode(inputs)
+        fp8.set_unit_scales(self.kv_caches, len(padded.input_ids))
+        return self._run_program(padded)[:rows]
+
+    def _run_program(self, inputs: SpyreInputs) -> torch.Tensor:
         program = inputs.program
         if self._num_steps is not None:
             if program not in self._num_steps:
