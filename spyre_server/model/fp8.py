@@ -179,8 +179,8 @@ def use_fp8_linears(
 ) -> int:
     """Replace every ``nn.Linear`` of ``model`` but ``head`` (the unquantized LM head) by an
     ``Fp8Linear`` of its shape with scales in ``scale_dtype``, on the meta device, for the
-    checkpoint to fill; returns how many. Refuses (ModelLoadError) a layer with a bias: compressed-tensors' FP8 layers of the
-    architectures served have none."""
+    checkpoint to fill; returns how many. Refuses (ModelLoadError) a layer with a bias:
+    compressed-tensors' FP8 layers of the architectures served have none."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
