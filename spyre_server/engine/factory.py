@@ -15,6 +15,7 @@ from spyre_server.model.errors import ModelLoadError
 from spyre_server.model.loading import (
     LoadedModel,
     check_serving_config,
+    fp8_scheme,
     model_dtype,
     num_kv_blocks,
     served_model_name,
@@ -23,6 +24,7 @@ from spyre_server.model.parallel.placement import placements
 from spyre_server.model.parallel.runner import start_ranks
 from spyre_server.model.runner import ModelRunner
 from spyre_server.model.spyre.compile import prepare_backend, sendnn_environment
+from spyre_server.model.spyre.fp8 import kv_cache_dtype
 from spyre_server.model.spyre.known_configs import registry_config
 from spyre_server.model.spyre.kv_blocks import spyre_num_kv_blocks
 from spyre_server.model.spyre.precompiled import (
@@ -46,8 +48,10 @@ def build_engine(config: Config, loaded: LoadedModel, *, compile_only: bool = Fa
     if config.model.backend == "spyre":  # the card's KV rules, its known-good values applied
         config = registry_config(config, loaded.path).apply(config)
         num_blocks = spyre_num_kv_blocks(config)
+        kv_dtype = kv_cache_dtype(loaded.dtype, fp8_scheme(loaded))
     else:
         num_blocks = num_kv_blocks(config, loaded.model, loaded.dtype)
+        kv_dtype = loaded.dtype
     runner_class = CpuModelRunner if config.model.backend == "cpu" else SpyreModelRunner
     sched_config = scheduler_config(config, num_blocks, runner_class.prefill_compute)
     model_name = served_model_name(config, loaded)
@@ -57,7 +61,7 @@ def build_engine(config: Config, loaded: LoadedModel, *, compile_only: bool = Fa
         "KV cache: %d blocks of %d tokens (%s), %s backend, tensor parallel size %d",
         num_blocks,
         config.cache.block_size,
-        loaded.dtype,
+        kv_dtype,
         config.model.backend,
         tp_size,
     )

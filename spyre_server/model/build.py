@@ -15,10 +15,11 @@ from spyre_server.model.cpu.prepare import (
     warn_unless_row_invariant,
 )
 from spyre_server.model.cpu.runner import CpuModelRunner
-from spyre_server.model.loading import LoadedModel
+from spyre_server.model.loading import LoadedModel, fp8_scheme
 from spyre_server.model.parallel.group import RankGroup
 from spyre_server.model.parallel.shard import sum_partial_outputs
 from spyre_server.model.runner import LocalModelRunner, attention_window, kv_cache_shape
+from spyre_server.model.spyre.fp8 import kv_cache_dtype
 from spyre_server.model.spyre.runner import SpyreModelRunner
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def build_runner(
         return _cpu_runner(config, loaded, sched, window, group)
     if config.model.compile_backend != "sendnn":
         kv_bytes = sched.num_blocks * kv_cache_shape(loaded.model).bytes_per_block(
-            sched.block_size, loaded.dtype
+            sched.block_size, kv_cache_dtype(loaded.dtype, fp8_scheme(loaded))
         )
         logger.warning(
             "spyre backend on a CPU (%s): fms's reference spyre_paged_attn copies the whole KV "
@@ -63,7 +64,7 @@ def build_runner(
         max_model_len=sched.max_model_len,
         compile_backend=config.model.compile_backend,
         sliding_window=window,
-        fp8_scheme=None if loaded.spec is None else loaded.spec.fp8,
+        fp8_scheme=fp8_scheme(loaded),
         special_token_ids=[] if loaded.eos_token_id is None else [loaded.eos_token_id],
         compile_only=compile_only,
     )

@@ -16,7 +16,7 @@ from spyre_server.config import Config
 from spyre_server.model.checkpoint import load_checkpoint
 from spyre_server.model.cpu.kernels.library import cpu_flags
 from spyre_server.model.errors import ModelLoadError
-from spyre_server.model.fp8 import use_fp8_linears
+from spyre_server.model.fp8 import Fp8Scheme, use_fp8_linears
 from spyre_server.model.hf_config import ModelSpec, check_serving, read_model_spec
 from spyre_server.model.rope import install_rope, rope_length, rotary_embeddings
 from spyre_server.model.runner import attention_window, kv_cache_shape
@@ -39,6 +39,11 @@ class LoadedModel:
     vocab_size: int
     spec: ModelSpec | None = None
     """What config.json says the model is (None for a model not loaded from a checkpoint)."""
+
+
+def fp8_scheme(loaded: LoadedModel) -> Fp8Scheme | None:
+    """The FP8 scheme of ``loaded``'s checkpoint; None when it is not quantized."""
+    return None if loaded.spec is None else loaded.spec.fp8
 
 
 def served_model_name(config: Config, loaded: LoadedModel) -> str:

@@ -55,6 +55,12 @@ ADDON_MODULES = (
 ADDON_REQUIREMENT = "fms-model-optimizer 0.8.7 with torchao 0.11 (scripts/setup.sh installs both)"
 
 
+def kv_cache_dtype(dtype: torch.dtype, fp8_scheme: Fp8Scheme | None) -> torch.dtype:
+    """The spyre backend's KV cache dtype: float8_e4m3fn for an FP8 checkpoint (the
+    reference's), the model's ``dtype`` otherwise."""
+    return dtype if fp8_scheme is None else torch.float8_e4m3fn
+
+
 def load_fp8_addon() -> None:
     """Import fms-model-optimizer's FP8 addon; ModelLoadError naming it where it is missing."""
     try:

@@ -89,7 +89,7 @@ class SpyreModelRunner(LocalModelRunner):
         programs_model = unfused(model)
         if fp8_scheme is not None:
             programs_model = fp8.with_fms_mo_linears(programs_model, fp8_scheme)
-        kv_dtype = torch.float8_e4m3fn if self.fp8 else dtype
+        kv_dtype = fp8.kv_cache_dtype(dtype, fp8_scheme)
         super().__init__(
             programs_model, num_blocks=num_blocks, block_size=block_size, dtype=kv_dtype
         )

@@ -181,9 +181,11 @@ def test_fp8_programs_compute_hf_with_an_fp8_kv_cache(
 
 
 def test_decode_batches_of_one_run_as_two_and_warmup_covers_every_batch(
-    fp8_checkpoint: Callable[[str, str], Path],
+    fp8_checkpoint: Callable[[str, str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = spyre_engine(fp8_checkpoint("llama", "tensor-static"))
+    with caplog.at_level("INFO", logger="spyre_server"):
+        engine = spyre_engine(fp8_checkpoint("llama", "tensor-static"))
+    assert "KV cache: 48 blocks of 64 tokens (torch.float8_e4m3fn)" in caplog.text
     stats = engine.runner.program_stats()
     assert stats.warmed == {ProgramShape("prefill", "1x128")} | {
         ProgramShape("decode", f"{b}x1") for b in (2, 3, 4)
