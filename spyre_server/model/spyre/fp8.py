@@ -22,8 +22,8 @@ scale; a sliding window (no FP8 windowed attention op); tensor parallelism (refu
 FP8 checkpoint here).
 
 Importing the addon replaces aten's CPU ``_scaled_mm`` kernels for the whole process with its
-own (fp8_spyre_op.py: both operands converted to the output dtype, then a plain product); the
-spyre backend's process is the only one that imports it.
+own (fp8_spyre_op.py: both operands converted to the output dtype, then a plain product); only
+a spyre backend serving an FP8 checkpoint imports it (and the image's install check).
 """
 
 from __future__ import annotations
