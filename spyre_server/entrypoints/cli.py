@@ -99,6 +99,7 @@ def _compile(config: Config) -> int:
     from spyre_server.engine.factory import build_engine, check_backend
     from spyre_server.model.loading import (
         ModelLoadError,
+        compute_threads,
         fp8_scale_dtype_for,
         fused_weights_for,
         load_model,
@@ -109,9 +110,10 @@ def _compile(config: Config) -> int:
 
     try:
         check_backend(config, compile_only=True)
-        # One torch thread, as serve loads and warms up (serve.load): inductor's CPU code, and
-        # so its cache key, depends on the thread count.
-        torch.set_num_threads(1)
+        # The torch threads of serve's step thread, which serve warms up with
+        # (serve.build_engine_at): inductor's CPU code, and so its cache key, depends on the
+        # thread count, and dynamo guards the traced graphs on it.
+        torch.set_num_threads(compute_threads(config))
         dtype = model_dtype(config)
         path = resolve_model_path(config, progress=_progress)
         loaded = load_model(

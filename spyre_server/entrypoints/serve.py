@@ -63,6 +63,35 @@ def load(config: Config) -> LoadedModel:
     )
 
 
+def build_engine_at(num_threads: int | None, config: Config, loaded: LoadedModel) -> LLMEngine:
+    """``build_engine``; where this process warms the spyre backend's programs up (no tensor
+    parallelism: ranks warm up their own), with ``num_threads`` torch threads, the step
+    thread's (``None``: as this thread has them). Dynamo guards the traced graphs on torch's
+    thread count (part of its global state), so a warm-up at another count than the steps'
+    would trace and compile both programs again at the first steps. The warm-up then runs on a
+    short-lived thread, whose OpenMP pool ends with it: parallel torch work belongs to the step
+    thread (AsyncEngine). A daemon thread, so that Ctrl-C still stops a long warm-up."""
+    traced_here = config.model.backend == "spyre" and weights_in_process(config)
+    if num_threads is None or not traced_here:
+        return build_engine(config, loaded)
+    built: list[LLMEngine] = []
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        torch.set_num_threads(num_threads)
+        try:
+            built.append(build_engine(config, loaded))
+        except BaseException as exc:  # raised again on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=build, name="spyre-warmup", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return built[0]
+
+
 def build_app(
     config: Config,
     loaded: LoadedModel,
@@ -72,7 +101,7 @@ def build_app(
 ) -> FastAPI:
     """``num_threads``: torch threads the step thread sets when it starts (``None``: whatever
     torch has then)."""
-    engine = engine or build_engine(config, loaded)
+    engine = engine or build_engine_at(num_threads, config, loaded)
     model_name = engine.model_name
     template = config.model.chat_template
     state = ServerState(

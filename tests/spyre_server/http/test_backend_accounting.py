@@ -5,9 +5,18 @@ backend's."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from tests.spyre_server.http.helpers import MakeServer, delta, unique_text
+from tests.spyre_server.http.helpers import (
+    MakeServer,
+    delta,
+    micro_config,
+    micro_loaded,
+    start_server,
+    unique_text,
+)
 
 CHUNK = 256
 MAX_NUM_SEQS = 4
@@ -80,3 +89,29 @@ def test_prompt_logprobs_are_refused_on_the_spyre_backend(make_server: MakeServe
     cpu = make_server()
     response = cpu.http().post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
+
+
+def test_a_server_whose_step_thread_has_other_torch_threads_compiles_nothing_after_warmup(
+    http_micro_model: Any, one_torch_thread: None
+) -> None:
+    """As ``serve`` runs it: the model loaded on one torch thread, the step thread on
+    ``model.num_threads`` (here 2). Dynamo guards the programs on torch's thread count, so the
+    warm-up must run at the step thread's count, or the first steps compile both again."""
+    import torch
+
+    from spyre_server.entrypoints.serve import build_app
+
+    assert torch.get_num_threads() == 1
+    config = micro_config(
+        model__backend="spyre", model__compile_backend="eager", scheduler__chunk_size=CHUNK
+    )
+    server = start_server(build_app(config, micro_loaded(http_micro_model), num_threads=2))
+    try:
+        client = server.openai()
+        client.completions.create(model="micro", prompt="abc", max_tokens=3, temperature=0)
+        metrics = server.metrics()
+    finally:
+        server.close()
+    assert metrics.value("spyre:warmed_programs") == 2
+    assert metrics.value("spyre:programs_compiled_after_warmup_total") == 0
+    assert torch.get_num_threads() == 1  # this thread's count is left as it was
