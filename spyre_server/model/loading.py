@@ -262,13 +262,14 @@ def _check_fp8_serving(config: Config, loaded: LoadedModel) -> None:
     backend, what the reference's FP8 programs cannot run (``spyre.fp8.check_spyre_fp8``,
     which also loads fms-model-optimizer's FP8 addon); on the cpu backend, a dtype other than
     bfloat16 (the FP8 kernel's)."""
-    assert loaded.spec is not None and loaded.spec.fp8 is not None
+    scheme = fp8_scheme(loaded)
+    assert scheme is not None
     if config.model.tensor_parallel_size > 1:
         raise ModelLoadError("FP8 checkpoints with model.tensor_parallel_size above 1")
     if config.model.backend == "spyre":
         window = attention_window(loaded.model, config.model.max_model_len)
         check_spyre_fp8(
-            loaded.spec.fp8,
+            scheme,
             max_num_seqs=config.scheduler.max_num_seqs,
             sliding_window=window is not None,
         )

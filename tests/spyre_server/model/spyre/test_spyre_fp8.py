@@ -36,26 +36,21 @@ from spyre_server.model.spyre import fp8
 from spyre_server.sample.sampler import SamplingParams
 from tests.conformance import oracle
 from tests.conformance.checkpoints import ARCHITECTURES, build_checkpoint
-from tests.conformance.conftest import PROMPTS
+from tests.conformance.conftest import ENGINE as CONFORMANCE_ENGINE
+from tests.conformance.conftest import MAX_TOKENS, PROMPTS
 from tests.conformance.fp8_checkpoints import quantize
 
 pytest.importorskip("compressed_tensors", reason="HF transformers' FP8 oracle")
 pytest.importorskip("fms_mo", reason="fms-model-optimizer's FP8 addon (scripts/setup.sh)")
 
-ENGINE: dict[str, Any] = {
-    "scheduler.chunk_size": 128,
-    "scheduler.max_num_seqs": 4,
-    "cache.num_blocks": 48,
-    "model.max_model_len": 1024,
-    "model.num_threads": 1,
+ENGINE: dict[str, Any] = CONFORMANCE_ENGINE | {
     "model.backend": "spyre",
     "model.compile_backend": "eager",
     "model.dtype": "float32",
 }
-"""Five prompts of 9 to 700 tokens (tests/conformance): the fifth is admitted while others
-decode, and the last to finish decodes alone, a batch of 1."""
-
-MAX_TOKENS = 8
+"""The conformance suite's engine (4 sequences at a time, 48 blocks) on the spyre backend: of
+its five prompts (9 to 700 tokens) the fifth is admitted while others decode, and the last to
+finish decodes alone, a batch of 1."""
 
 SCHEMES: dict[str, tuple[bool, InputScales]] = {
     "tensor-static": (False, "static"),
